@@ -1,0 +1,81 @@
+"""Nox sessions for savable_loader.
+
+CI runs ``.ci/run`` (``nox -s tests``, every test); a quick local run is
+``nox -s tests -- -m "not slow"``.
+
+Torch is installed first from ``SAVABLE_LOADER_TORCH`` (default ``torch==2.13.0``,
+the CPU build available locally) so that ``pip install -e .`` finds ``torch>=2.4``
+already satisfied and does not pull a multi-GB CUDA build. Set it to ``torch`` to
+take the registry's default build, or to an empty string to skip the step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "typing", "tests"]
+
+DEFAULT_TORCH = "torch==2.13.0"
+LINT_PATHS = ("savable_loader", "tests", "benchmarks")
+
+
+def install_project(session: nox.Session, *extras: str) -> None:
+    """Install the torch spec from the environment, then the project in editable mode."""
+    torch_spec = os.environ.get("SAVABLE_LOADER_TORCH", DEFAULT_TORCH).strip()
+    if torch_spec:
+        session.install(torch_spec)
+    target = f".[{','.join(extras)}]" if extras else "."
+    session.install("-e", target)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (pytest exit code 5, no tests collected, fails the session)."""
+    install_project(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff lint and format check."""
+    session.install("ruff")
+    paths = [path for path in LINT_PATHS if Path(path).exists()]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session
+def typing(session: nox.Session) -> None:
+    """Mypy (strict) on the package."""
+    install_project(session, "dev")
+    session.run("mypy")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run ``savable-loader demo``; extra arguments go to the demo."""
+    install_project(session)
+    session.run("savable-loader", "demo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run every ``benchmarks/bench_*.py`` in name order; extra arguments go to each."""
+    install_project(session)
+    session.install("matplotlib")
+    scripts = sorted(Path("benchmarks").glob("bench_*.py"))
+    if not scripts:
+        session.error("no benchmarks/bench_*.py scripts found")
+    for script in scripts:
+        session.run("python", str(script), *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation, warnings as errors."""
+    install_project(session, "docs")
+    session.run("mkdocs", "build", "--strict")

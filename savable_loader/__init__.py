@@ -1,0 +1,35 @@
+"""savable_loader: a ``DataLoader`` whose position can be saved and restored exactly."""
+
+from ._version import __version__
+from .config import WorkerConfig, WorkerContext
+from .datasets.base import SavableDataset
+from .errors import (
+    ConfigError,
+    SavableLoaderError,
+    StateError,
+    StateFormatError,
+    StateMismatchError,
+    StorageError,
+    WorkerError,
+)
+from .loader import SavableDataLoader
+from .state.files import load_state, save_state
+from .state.models import RankState
+
+__all__ = [
+    "ConfigError",
+    "RankState",
+    "SavableDataLoader",
+    "SavableDataset",
+    "SavableLoaderError",
+    "StateError",
+    "StateFormatError",
+    "StateMismatchError",
+    "StorageError",
+    "WorkerConfig",
+    "WorkerContext",
+    "WorkerError",
+    "__version__",
+    "load_state",
+    "save_state",
+]

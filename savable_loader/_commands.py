@@ -1,0 +1,172 @@
+"""The command channel between the loader and its worker processes.
+
+NOTE [ Command channel ]
+Each worker gets a command queue and a result queue, created from the loader's
+multiprocessing context before the workers start (so fork, forkserver and spawn all
+work: the queues travel with the dataset wrapper). A worker runs a daemon thread,
+:class:`CommandServer`, that answers requests while the worker's main thread produces
+items; handlers take only short locks, so an answer never waits for the item in
+progress. Requests carry ids; the loader discards answers to requests it gave up on.
+Every wait in :meth:`CommandChannel.request` has a deadline and checks, a few times a
+second, that the worker is alive: a dead or hung worker raises :class:`WorkerError`
+naming it, never hangs. Commands are a name plus plain arguments, so the set is open:
+``checkpoint`` and ``stats`` today.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import WorkerError
+
+__all__ = ["CommandChannel", "CommandServer"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.05
+Handler = Callable[[dict[str, Any]], Any]
+
+
+class CommandChannel:
+    """The loader's end: one (command, result) queue pair per worker.
+
+    Args:
+        context: The multiprocessing context the workers are started with.
+        num_workers: Number of workers.
+    """
+
+    def __init__(self, context: Any, num_workers: int) -> None:
+        self.commands: list[Any] = [context.Queue() for _ in range(num_workers)]
+        self.results: list[Any] = [context.Queue() for _ in range(num_workers)]
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def request(
+        self,
+        name: str,
+        arguments: Sequence[dict[str, Any]],
+        *,
+        timeout: float,
+        is_alive: Callable[[int], bool],
+    ) -> list[Any]:
+        """Sends command ``name`` to every worker and returns their answers in worker order.
+
+        Args:
+            name: The command.
+            arguments: One argument dict per worker.
+            timeout: Seconds to wait for all answers together.
+            is_alive: Tells whether worker ``i``'s process is still running.
+
+        Raises:
+            WorkerError: A worker died, did not answer in time, or failed the command.
+        """
+        if self._closed:
+            raise WorkerError(f"cannot send {name!r}: the workers' command channel is closed")
+        request_id = next(self._ids)
+        for commands, args in zip(self.commands, arguments, strict=True):
+            commands.put((request_id, name, args))
+        deadline = time.monotonic() + timeout
+        return [
+            self._await(worker_id, request_id, name, deadline, timeout, is_alive)
+            for worker_id in range(len(self.commands))
+        ]
+
+    def _await(
+        self,
+        worker_id: int,
+        request_id: int,
+        name: str,
+        deadline: float,
+        timeout: float,
+        is_alive: Callable[[int], bool],
+    ) -> Any:
+        results = self.results[worker_id]
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerError(
+                    f"worker {worker_id} did not answer {name!r} within {timeout:g} s; it may "
+                    "be hung (raise WorkerConfig(command_timeout=...) if it is only slow)"
+                )
+            try:
+                answer_id, ok, payload = results.get(timeout=min(_POLL_SECONDS, remaining))
+            except queue.Empty:
+                if not is_alive(worker_id):
+                    raise WorkerError(
+                        f"worker {worker_id} died before answering {name!r}"
+                    ) from None
+                continue
+            if answer_id != request_id:
+                logger.debug("dropping stale answer %s from worker %d", answer_id, worker_id)
+                continue
+            if not ok:
+                raise WorkerError(f"worker {worker_id} failed {name!r}:\n{payload}")
+            return payload
+
+    def close(self) -> None:
+        """Closes the loader's end of every queue. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for q in (*self.commands, *self.results):
+            q.cancel_join_thread()
+            q.close()
+
+
+class CommandServer:
+    """The worker's end: a daemon thread answering commands with ``handlers``.
+
+    Requests that arrive before :meth:`ready` (the worker is still restoring) wait for
+    it; if the worker failed to start, :meth:`fail` makes every request answer with
+    that failure.
+    """
+
+    def __init__(self, commands: Any, results: Any, handlers: dict[str, Handler]) -> None:
+        self._commands = commands
+        self._results = results
+        self._handlers = handlers
+        self._ready = threading.Event()
+        self._failure: str | None = None
+        self._thread = threading.Thread(
+            target=self._serve, name="savable_loader-commands", daemon=True
+        )
+        # Results must never keep a worker from exiting (NOTE [ Command channel ]).
+        self._results.cancel_join_thread()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def ready(self) -> None:
+        self._ready.set()
+
+    def fail(self, failure: str) -> None:
+        self._failure = failure
+        self._ready.set()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                request = self._commands.get()
+            except (EOFError, OSError):
+                return
+            if request is None:
+                return
+            request_id, name, arguments = request
+            self._ready.wait()
+            try:
+                if self._failure is not None:
+                    raise RuntimeError(f"the worker failed to start:\n{self._failure}")
+                handler = self._handlers.get(name)
+                if handler is None:
+                    raise KeyError(f"unknown command {name!r}")
+                answer = (request_id, True, handler(arguments))
+            except Exception:
+                answer = (request_id, False, traceback.format_exc())
+            self._results.put(answer)

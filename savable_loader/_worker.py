@@ -1,0 +1,400 @@
+"""The per-worker driver of a pipeline: events, checkpoint ring, replay, placeholders.
+
+This module is past 250 lines because its parts share one invariant (the event
+numbering of NOTE [ Sequence numbers ] in ``state/models.py``) and split badly.
+
+NOTE [ Events ]
+Torch's ``DataLoader`` runs underneath with ``batch_size=None`` over :class:`WorkerWrapper`,
+which yields ``(worker_id, seq, kind, payload)`` tuples. ``kind`` is ITEM (a batch,
+collated in the worker), END (this worker's epoch ended; it still takes a turn in
+torch's round-robin, then the worker stops) or PLACEHOLDER (one per worker before the
+saved next worker, in the first epoch after a restore; see NOTE [ Worker order ] in
+``loader.py``). The loader drops END and PLACEHOLDER and counts the rest.
+
+NOTE [ Checkpoint policy ]
+After producing an event, the worker may record a checkpoint (dataset state and its
+three global generators) in a ring. It measures what a checkpoint costs and earns a
+budget of ``checkpoint_share`` of the time spent producing events; it records one
+whenever the budget covers the cost. Expensive items are therefore all checkpointed
+(a restore recomputes nothing) and cheap items are checkpointed every few
+milliseconds (a restore recomputes a few milliseconds of work). A checkpoint is always
+recorded at start-up and after an END. Retention is by sequence number: the consumer
+is at most ``prefetch_factor * num_workers + 1`` events behind a worker (torch's
+outstanding tasks plus the item in hand), so the ring keeps every checkpoint in that
+window plus the newest one before it. The ring's lock is held only to append or pick
+an entry, never while the dataset produces an item, so the command thread answers a
+save within an IPC round trip.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from torch.utils.data import IterableDataset, default_collate, default_convert
+
+from . import rng
+from ._commands import CommandChannel, CommandServer
+from .config import WorkerContext
+from .datasets.base import SavableDataset
+from .errors import StateError, WorkerError
+from .state.models import Checkpoint, RngState
+
+__all__ = ["END", "ITEM", "PLACEHOLDER", "PipelineRuntime", "RuntimeSpec", "WorkerStart"]
+
+logger = logging.getLogger(__name__)
+
+ITEM, END, PLACEHOLDER = 0, 1, 2
+_SEED_PURPOSE = 0x5EED
+_MAX_BUDGET_CHECKPOINTS = 4
+
+Event = tuple[int, int, int, Any]
+
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """How one worker starts: from which checkpoint, to which position.
+
+    Attributes:
+        checkpoint: Checkpoint to restore, or None for the dataset's initial state.
+        delivered: Sequence number the consumer wants next (replay up to it).
+        skip_epoch: The worker already ended the current epoch: produce nothing in it.
+        placeholder: Yield one placeholder first (worker order after a restore).
+    """
+
+    checkpoint: Checkpoint | None = None
+    delivered: int = 0
+    skip_epoch: bool = False
+    placeholder: bool = False
+
+
+@dataclass
+class RuntimeSpec:
+    """Everything a worker needs to run the pipeline; pickled into each worker."""
+
+    dataset: SavableDataset[Any]
+    batch_size: int | None
+    drop_last: bool
+    collate_fn: Callable[[Any], Any] | None
+    seed: int
+    rank: int
+    world_size: int
+    num_workers: int
+    checkpoint_share: float
+    max_lag: int
+    starts: tuple[WorkerStart, ...] = ()
+    channel: CommandChannel | None = field(default=None)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A ring entry: a checkpoint kept as in-process objects until a save asks for it."""
+
+    seq: int
+    dataset_state: bytes
+    rng: rng.RngSnapshot | RngState
+
+    def to_checkpoint(self) -> Checkpoint:
+        state = self.rng if isinstance(self.rng, RngState) else self.rng.to_state()
+        return Checkpoint(seq=self.seq, dataset_state=self.dataset_state, rng=state)
+
+
+def encode_dataset_state(dataset: SavableDataset[Any]) -> bytes:
+    """Encodes ``dataset.save_state()`` with msgpack; tuples come back as lists."""
+    state = dataset.save_state()
+    try:
+        return msgpack.packb(state, use_bin_type=True)  # type: ignore[no-any-return]
+    except (TypeError, ValueError, OverflowError) as error:
+        raise StateError(
+            f"{type(dataset).__name__}.save_state() returned something that is not plain "
+            f"data ({error}); return dict, list, str, int, float, bool, None or bytes "
+            "(convert numpy scalars with int() or float())"
+        ) from error
+
+
+def decode_dataset_state(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class PipelineRuntime:
+    """Drives one worker's copy of the pipeline (or the main process's, without workers).
+
+    Args:
+        spec: The loader's description of the pipeline and of every worker's start.
+        worker_id: This worker's id (0 without workers).
+        in_main: True without workers: the pipeline then runs under its own generator
+            states, swapped in around each event (NOTE [ No workers ] in ``loader.py``).
+    """
+
+    def __init__(self, spec: RuntimeSpec, worker_id: int, *, in_main: bool) -> None:
+        self.spec = spec
+        self.worker_id = worker_id
+        self.in_main = in_main
+        self.dataset = spec.dataset
+        self._lock = threading.Lock()
+        self._ring: collections.deque[_Entry] = collections.deque()
+        self._cost = 0.0
+        self._budget = 0.0
+        self._first_epoch = True
+        self.checkpoints_taken = 0
+        self.replayed = 0
+        start = spec.starts[worker_id] if spec.starts else WorkerStart()
+        self._start = start
+        self.dataset.setup(
+            WorkerContext(
+                rank=spec.rank,
+                world_size=spec.world_size,
+                worker_id=worker_id,
+                num_workers=spec.num_workers,
+                seed=spec.seed,
+                batch_size=spec.batch_size,
+            )
+        )
+        outer = rng.capture() if in_main else None
+        if start.checkpoint is None:
+            self.dataset.restore_state(None)
+            rng.seed_globals(rng.derive_seed(spec.seed, spec.rank, worker_id, _SEED_PURPOSE))
+            self.seq = 0
+        else:
+            checkpoint = start.checkpoint
+            self.dataset.restore_state(decode_dataset_state(checkpoint.dataset_state))
+            rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
+            self.seq = checkpoint.seq
+            self._record(_Entry(checkpoint.seq, checkpoint.dataset_state, checkpoint.rng))
+        self.rng = rng.capture()
+        if outer is not None:
+            rng.apply(outer)
+        if start.delivered < self.seq:
+            raise StateError(
+                f"worker {worker_id}: delivered {start.delivered} is before its checkpoint "
+                f"{self.seq}"
+            )
+        self._replay_target = start.delivered
+        self._skip = getattr(self.dataset, "skip", None)
+
+    # -- events ---------------------------------------------------------------------
+
+    def epoch(self) -> Iterator[Event]:
+        """Starts an epoch: returns the generator of this worker's events for it."""
+        first, self._first_epoch = self._first_epoch, False
+        replay = self._replay_target - self.seq if first else 0
+        if first and self._start.skip_epoch:
+            if replay:
+                raise StateError(
+                    f"worker {self.worker_id} ended its epoch but would replay {replay} events"
+                )
+            return iter(())
+        fast = replay > 0 and self._skip is not None and self.spec.collate_fn is None
+        if fast:
+            self._advance(replay, lambda: self._skip(replay * (self.spec.batch_size or 1)))
+        with self._generators():
+            source = self._batches(iter(self.dataset))
+        if replay > 0 and not fast:
+            self._advance(replay, lambda: self._produce(source, replay))
+        if first or not self._ring:
+            self._checkpoint_now()
+        return self._run(source, placeholder=first and self._start.placeholder)
+
+    def _run(self, source: Iterator[Any], *, placeholder: bool) -> Iterator[Event]:
+        if placeholder:
+            yield (self.worker_id, -1, PLACEHOLDER, None)
+        while True:
+            began = time.perf_counter()
+            with self._generators():
+                item = next(source, _END_OF_SOURCE)
+            elapsed = time.perf_counter() - began
+            seq = self.seq
+            self.seq += 1
+            if item is _END_OF_SOURCE:
+                self._checkpoint_now()
+                yield (self.worker_id, seq, END, None)
+                return
+            if not self.in_main:
+                self._maybe_checkpoint(elapsed)
+            yield (self.worker_id, seq, ITEM, item)
+
+    def _batches(self, items: Iterator[Any]) -> Iterator[Any]:
+        spec = self.spec
+        if spec.batch_size is None:
+            convert = spec.collate_fn or default_convert
+            for item in items:
+                yield convert(item)
+            return
+        collate = spec.collate_fn or default_collate
+        while True:
+            batch = []
+            for item in items:
+                batch.append(item)
+                if len(batch) == spec.batch_size:
+                    break
+            if not batch or (spec.drop_last and len(batch) < spec.batch_size):
+                return
+            yield collate(batch)
+            if len(batch) < spec.batch_size:
+                return
+
+    def _advance(self, events: int, step: Callable[[], None]) -> None:
+        """Replays ``events`` events with ``step`` under the pipeline's generators."""
+        began = time.perf_counter()
+        with self._generators():
+            step()
+        self.seq += events
+        self.replayed += events
+        logger.debug(
+            "worker %d replayed %d events in %.1f ms",
+            self.worker_id,
+            events,
+            (time.perf_counter() - began) * 1e3,
+        )
+
+    def _produce(self, source: Iterator[Any], events: int) -> None:
+        for _ in range(events):
+            if next(source, _END_OF_SOURCE) is _END_OF_SOURCE:
+                raise StateError(
+                    f"worker {self.worker_id}: the dataset ended during replay; the "
+                    "pipeline does not reproduce the stream it saved"
+                )
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def _generators(self) -> _GeneratorScope:
+        return _GeneratorScope(self)
+
+    def _capture(self) -> _Entry:
+        return _Entry(
+            self.seq,
+            encode_dataset_state(self.dataset),
+            self.rng if self.in_main else rng.capture(),
+        )
+
+    def _checkpoint_now(self) -> None:
+        began = time.perf_counter()
+        self._record(self._capture())
+        cost = time.perf_counter() - began
+        self._cost = cost if self._cost == 0.0 else 0.8 * self._cost + 0.2 * cost
+        self.checkpoints_taken += 1
+
+    def _maybe_checkpoint(self, elapsed: float) -> None:
+        self._budget = min(
+            self._budget + elapsed * self.spec.checkpoint_share,
+            _MAX_BUDGET_CHECKPOINTS * self._cost,
+        )
+        if self._budget >= self._cost:
+            self._checkpoint_now()
+            self._budget -= self._cost
+
+    def _record(self, entry: _Entry) -> None:
+        with self._lock:
+            if self._ring and self._ring[-1].seq == entry.seq:
+                self._ring.pop()
+            self._ring.append(entry)
+            bound = entry.seq - self.spec.max_lag
+            while len(self._ring) >= 2 and self._ring[1].seq <= bound:
+                self._ring.popleft()
+
+    def checkpoint_for(self, delivered: int) -> Checkpoint:
+        """Returns the newest checkpoint at or before sequence number ``delivered``.
+
+        Raises:
+            WorkerError: ``delivered`` lies outside what the ring can answer.
+        """
+        if self.in_main and delivered == self.seq:
+            self._checkpoint_now()
+        with self._lock:
+            entry = next((e for e in reversed(self._ring) if e.seq <= delivered), None)
+            oldest = self._ring[0].seq if self._ring else None
+        if entry is None or delivered > max(self.seq, self._replay_target):
+            raise WorkerError(
+                f"worker {self.worker_id} holds no checkpoint for position {delivered} "
+                f"(oldest kept: {oldest}, produced: {self.seq})"
+            )
+        return entry.to_checkpoint()
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for benchmarks and debugging."""
+        with self._lock:
+            ring = list(self._ring)
+        return {
+            "seq": self.seq,
+            "ring_entries": len(ring),
+            "checkpoint_cost_s": self._cost,
+            "checkpoints_taken": self.checkpoints_taken,
+            "replayed": self.replayed,
+            "checkpoint_bytes": len(ring[-1].to_checkpoint().model_dump_json()) if ring else 0,
+        }
+
+
+_END_OF_SOURCE = object()
+
+
+class _GeneratorScope:
+    """Swaps the pipeline's generator states in around a step, when running in main."""
+
+    __slots__ = ("_outer", "_runtime")
+
+    def __init__(self, runtime: PipelineRuntime) -> None:
+        self._runtime = runtime
+        self._outer: rng.RngSnapshot | None = None
+
+    def __enter__(self) -> None:
+        if self._runtime.in_main:
+            self._outer = rng.capture()
+            rng.apply(self._runtime.rng)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._outer is not None:
+            self._runtime.rng = rng.capture()
+            rng.apply(self._outer)
+
+
+class WorkerWrapper(IterableDataset[Event]):  # type: ignore[misc]
+    """What torch's ``DataLoader`` iterates: starts a :class:`PipelineRuntime` per process.
+
+    The loader sets :attr:`spec` before torch starts the workers, so every start method
+    carries it (and the command queues) into the worker.
+    """
+
+    def __init__(self, spec: RuntimeSpec) -> None:
+        self.spec = spec
+        self.runtime: PipelineRuntime | None = None
+
+    def __iter__(self) -> Iterator[Event]:
+        if self.runtime is None:
+            self.runtime = self._start()
+        return self.runtime.epoch()
+
+    def _start(self) -> PipelineRuntime:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        if info is None:
+            return PipelineRuntime(self.spec, 0, in_main=True)
+        channel = self.spec.channel
+        if channel is None:
+            return PipelineRuntime(self.spec, info.id, in_main=False)
+        holder: list[PipelineRuntime] = []
+        server = CommandServer(
+            channel.commands[info.id],
+            channel.results[info.id],
+            {
+                "checkpoint": lambda args: holder[0]
+                .checkpoint_for(args["delivered"])
+                .model_dump(),
+                "stats": lambda args: holder[0].stats(),
+            },
+        )
+        server.start()
+        try:
+            holder.append(PipelineRuntime(self.spec, info.id, in_main=False))
+        except BaseException:
+            server.fail(traceback.format_exc())
+            raise
+        server.ready()
+        return holder[0]

@@ -1,0 +1,51 @@
+"""The library's exception types.
+
+Every error the library raises on purpose derives from :class:`SavableLoaderError`, so a
+training script can catch the library's failures apart from its own. Errors about bad
+arguments also derive from :class:`ValueError` (as torch's ``DataLoader`` raises for
+them), and errors about worker processes from :class:`RuntimeError` (as torch raises for
+a dead worker), so existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "SavableLoaderError",
+    "StateError",
+    "StateFormatError",
+    "StateMismatchError",
+    "StorageError",
+    "WorkerError",
+]
+
+
+class SavableLoaderError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigError(SavableLoaderError, ValueError):
+    """An argument cannot be honoured exactly (for example ``in_order=False``)."""
+
+
+class StateError(SavableLoaderError):
+    """A state cannot be restored into this loader, or cannot be read at all."""
+
+
+class StateFormatError(StateError):
+    """A state file or state object is malformed: corrupt, truncated, foreign, unknown version."""
+
+
+class StateMismatchError(StateError):
+    """A well-formed state was saved by a loader this one is not compatible with.
+
+    The message names the field, the saved value, the current value and the fix.
+    """
+
+
+class StorageError(SavableLoaderError):
+    """Reading or writing a state at a URL failed (missing file, permissions, network)."""
+
+
+class WorkerError(SavableLoaderError, RuntimeError):
+    """A worker process died, hung, or did not answer a command within its timeout."""

@@ -1,0 +1,593 @@
+"""``SavableDataLoader``: torch's ``DataLoader`` whose position can be saved and restored.
+
+This module is past 250 lines: it is the one place where the loader's bookkeeping, its
+worker lifecycle and its save/restore meet, and splitting them would spread one
+invariant (NOTE [ Worker order ]) over several files.
+
+NOTE [ Worker order ]
+With ``in_order=True`` torch hands out events in round-robin order over workers,
+skipping workers whose epoch ended, and every epoch starts at worker 0. The loader
+records, per worker, the events it handed on (``delivered``), whether the worker's epoch
+ended, and which worker comes next. After a restore the first event must come from the
+saved next worker ``k``, while worker identities (the shards of
+``get_worker_info().id``) stay put: in the first resumed epoch each live worker before
+``k`` yields one placeholder, which the loader drops, so torch's own round-robin lands on
+``k``. Workers whose epoch had ended yield nothing in that epoch. From the next epoch on
+nothing differs from an uninterrupted run.
+
+NOTE [ No workers ]
+With ``num_workers=0`` the pipeline runs in the main process. Its generator states are
+kept apart from the training loop's and swapped in around each event, so draws the
+training loop makes from ``random``, ``numpy.random`` or torch between batches change
+nothing in the data stream, and a restore is exact without restoring the trainer's
+generators. A save captures the pipeline's state on the spot: there is no prefetch.
+
+NOTE [ Iterators continue the stream ]
+Every iterator of a loader reads the same stream. ``iter(loader)`` starts a new epoch
+only when the previous one ended (StopIteration); an epoch left half-read (a ``break``)
+continues where it stopped, so nothing is lost and an uninterrupted run behaves exactly
+like a saved and restored one. A restore moves the stream: a live iterator continues
+from the restored position (or stops, if the state lies between epochs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from . import _torch_compat
+from ._commands import CommandChannel
+from ._version import __version__
+from ._worker import END, PLACEHOLDER, RuntimeSpec, WorkerStart, WorkerWrapper
+from .config import WorkerConfig, WorkerContext
+from .datasets.base import SavableDataset
+from .datasets.indexed import IndexedDataset
+from .datasets.stateful import StatefulDataset
+from .errors import ConfigError, SavableLoaderError, StateMismatchError, WorkerError
+from .rng import derive_seed
+from .state.fingerprint import fingerprint
+from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState
+
+__all__ = ["SavableDataLoader"]
+
+logger = logging.getLogger(__name__)
+
+_BASE_SEED_PURPOSE = 0xBA5E
+
+
+def _identity(event: Any) -> Any:
+    return event
+
+
+@dataclass
+class _Book:
+    """What the loader handed on: NOTE [ Worker order ]."""
+
+    epoch: int
+    delivered: list[int]
+    ended: list[bool]
+    next_worker: int
+
+    @classmethod
+    def fresh(cls, workers: int) -> _Book:
+        return cls(0, [0] * workers, [False] * workers, 0)
+
+    @classmethod
+    def of(cls, state: RankState) -> _Book:
+        return cls(
+            state.epoch,
+            [w.delivered for w in state.workers],
+            [w.ended for w in state.workers],
+            state.next_worker,
+        )
+
+    def all_ended(self) -> bool:
+        return all(self.ended)
+
+    def start_epoch(self) -> None:
+        self.epoch += 1
+        self.ended = [False] * len(self.ended)
+        self.next_worker = 0
+
+    def hand_on(self, worker_id: int, seq: int, kind: int) -> None:
+        if seq != self.delivered[worker_id] or self.ended[worker_id]:
+            raise SavableLoaderError(
+                f"internal error: worker {worker_id} sent event {seq} but the loader expected "
+                f"{self.delivered[worker_id]} (ended={self.ended[worker_id]}); please report"
+            )
+        self.delivered[worker_id] = seq + 1
+        if kind == END:
+            self.ended[worker_id] = True
+        workers = len(self.ended)
+        for step in range(1, workers + 1):
+            candidate = (worker_id + step) % workers
+            if not self.ended[candidate]:
+                self.next_worker = candidate
+                return
+        self.next_worker = 0
+
+
+class SavableDataLoader(DataLoader[Any]):
+    """A ``DataLoader`` whose position in the data stream can be saved and restored exactly.
+
+    Arguments keep ``DataLoader``'s names and defaults where they apply. Batching
+    (``batch_size``, ``collate_fn``, ``drop_last``) happens inside the workers, so one batch
+    never mixes workers. With workers, persistent workers are used.
+
+    Args:
+        dataset: A :class:`~savable_loader.SavableDataset`, an iterable with
+            ``state_dict()``/``load_state_dict()``, or a map-style dataset
+            (``__getitem__`` + ``__len__``), served through
+            :class:`~savable_loader.datasets.IndexedDataset`.
+        batch_size: Items per batch; None yields items one by one.
+        shuffle: For map-style datasets: a new seeded permutation every epoch.
+        sampler: Not supported (ConfigError): the order must be savable.
+        batch_sampler: Not supported (ConfigError).
+        num_workers: Worker processes; 0 runs the pipeline in the main process.
+        collate_fn: Merges items into a batch (default: torch's ``default_collate``).
+        pin_memory: As in ``DataLoader``.
+        drop_last: Drop each worker's last incomplete batch of an epoch.
+        timeout: As in ``DataLoader``.
+        worker_init_fn: As in ``DataLoader``; runs before the pipeline is restored.
+        multiprocessing_context: As in ``DataLoader`` (fork, forkserver, spawn).
+        generator: Not supported (ConfigError): ``seed`` drives every random choice.
+        prefetch_factor: As in ``DataLoader``.
+        persistent_workers: None or True; False with workers is refused.
+        pin_memory_device: As in ``DataLoader``.
+        in_order: Must be True: out-of-order delivery cannot be resumed exactly.
+        seed: Drives the shuffle order and the workers' seeds (with rank and worker id).
+        worker_config: Rank, world size, command timeout, checkpoint policy.
+
+    Raises:
+        ConfigError: An argument cannot be honoured exactly.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int = 0,
+        worker_config: WorkerConfig | None = None,
+    ) -> None:
+        _check_arguments(
+            batch_size=batch_size,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            in_order=in_order,
+            seed=seed,
+        )
+        self.source: SavableDataset[Any] = _as_savable(dataset, shuffle=shuffle, seed=seed)
+        self.worker_config = worker_config or WorkerConfig()
+        self.rank, self.world_size = self.worker_config.resolve()
+        self.seed = seed
+        workers = max(num_workers, 1)
+        effective_prefetch = (prefetch_factor or 2) if num_workers > 0 else 0
+        self._spec = RuntimeSpec(
+            dataset=self.source,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            seed=seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            num_workers=num_workers,
+            checkpoint_share=self.worker_config.checkpoint_share,
+            max_lag=effective_prefetch * num_workers + 2,
+        )
+        self._wrapper = WorkerWrapper(self._spec)
+        super().__init__(
+            self._wrapper,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=_identity,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=torch.Generator().manual_seed(
+                derive_seed(seed, self.rank, _BASE_SEED_PURPOSE)
+            ),
+            prefetch_factor=prefetch_factor,
+            persistent_workers=num_workers > 0,
+            pin_memory_device=pin_memory_device,
+            in_order=True,
+        )
+        # DataLoader guards these names after __init__; the values torch needs underneath
+        # (no batching, no dropping) were passed above, and torch's iterators never read
+        # them for an iterable dataset, so they can report what the user asked for.
+        object.__setattr__(self, "batch_size", batch_size)
+        object.__setattr__(self, "drop_last", drop_last)
+        self.fingerprint = fingerprint(
+            {
+                "dataset": self.source.config(),
+                "loader": {
+                    "batch_size": batch_size,
+                    "drop_last": drop_last,
+                    "seed": seed,
+                    "num_workers": num_workers,
+                    "collate_fn": _qualname(collate_fn),
+                },
+            }
+        )
+        self._book = _Book.fresh(workers)
+        self._resume: list[Checkpoint | None] = [None] * workers
+        self._stream: Any = None
+        self._stream_done = False
+        self._channel: CommandChannel | None = None
+        self._closed = False
+
+    # -- iteration --------------------------------------------------------------------
+
+    def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
+        """Returns an iterator over the stream (NOTE [ Iterators continue the stream ])."""
+        self._check_open()
+        if self._book.all_ended():
+            self._book.start_epoch()
+            if self._stream is not None:
+                self._stream = super().__iter__()
+                self._stream_done = False
+        if self._stream is None:
+            self._start_stream()
+        return _LoaderIterator(self)
+
+    def _start_stream(self) -> None:
+        book = self._book
+        self._spec.starts = tuple(
+            WorkerStart(
+                checkpoint=self._resume[w],
+                delivered=book.delivered[w],
+                skip_epoch=book.ended[w],
+                placeholder=w < book.next_worker and not book.ended[w],
+            )
+            for w in range(len(book.delivered))
+        )
+        if self.num_workers > 0:
+            context = self.multiprocessing_context or torch.multiprocessing.get_context()
+            self._channel = CommandChannel(context, self.num_workers)
+            self._spec.channel = self._channel
+        self._wrapper.runtime = None
+        self._stream = super().__iter__()
+        self._stream_done = False
+
+    def _next(self, iterator: _LoaderIterator) -> Any:
+        while True:
+            if self._stream is None:
+                if self._book.all_ended():
+                    raise StopIteration
+                self._start_stream()
+            if self._stream_done:
+                raise StopIteration
+            try:
+                worker_id, seq, kind, payload = next(self._stream)
+            except StopIteration:
+                self._stream_done = True
+                if not self._book.all_ended():
+                    raise SavableLoaderError(
+                        f"internal error: the epoch ended but workers {self._unended()} did "
+                        "not report their end; please report"
+                    ) from None
+                raise
+            except RuntimeError as error:
+                dead = self._dead_workers()
+                if dead and not isinstance(error, SavableLoaderError):
+                    self._stop_stream()
+                    raise WorkerError(
+                        f"worker(s) {dead} died while producing items; restore the last "
+                        "saved state into a new loader to resume"
+                    ) from error
+                raise
+            if kind == PLACEHOLDER:
+                continue
+            self._book.hand_on(worker_id, seq, kind)
+            if kind == END:
+                continue
+            return payload
+
+    def _unended(self) -> list[int]:
+        return [w for w, ended in enumerate(self._book.ended) if not ended]
+
+    def _dead_workers(self) -> list[int]:
+        if self.num_workers == 0 or self._stream is None:
+            return []
+        count = _torch_compat.worker_count(self._stream)
+        return [w for w in range(count) if not _torch_compat.worker_alive(self._stream, w)]
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch, for map-style datasets (as with torch)."""
+        if not isinstance(self.source, IndexedDataset):
+            raise TypeError(f"{type(self.source).__name__} has no len(); the epoch ends when it does")
+        batch = self._spec.batch_size
+        total = 0
+        for worker in range(max(self.num_workers, 1)):
+            shard = IndexedDataset(self.source.data, shuffle=False)
+            shard.setup(
+                WorkerContext(
+                    self.rank, self.world_size, worker, self.num_workers, self.seed, batch
+                )
+            )
+            items = len(shard)
+            if batch is None:
+                total += items
+            else:
+                total += items // batch if self._spec.drop_last else -(-items // batch)
+        return total
+
+    # -- save and restore -------------------------------------------------------------
+
+    def save_state_rank(self) -> RankState:
+        """Returns this rank's position in the stream; callable at any time.
+
+        Items already prefetched are not part of the state: a restored loader recomputes
+        them. Saving never waits for the item a worker is producing.
+
+        Raises:
+            WorkerError: A worker is dead or did not answer within its command timeout.
+        """
+        self._check_open()
+        book = self._book
+        checkpoints = self._current_checkpoints()
+        return RankState(
+            format_version=FORMAT_VERSION,
+            library_version=__version__,
+            fingerprint=self.fingerprint,
+            rank=self.rank,
+            world_size=self.world_size,
+            num_workers=self.num_workers,
+            batch_size=self._spec.batch_size,
+            seed=self.seed,
+            epoch=book.epoch,
+            next_worker=0 if book.all_ended() else book.next_worker,
+            workers=tuple(
+                WorkerState(
+                    worker_id=w,
+                    delivered=book.delivered[w],
+                    ended=book.ended[w],
+                    checkpoint=checkpoints[w],
+                )
+                for w in range(len(book.delivered))
+            ),
+        )
+
+    def _current_checkpoints(self) -> list[Checkpoint | None]:
+        runtime = self._wrapper.runtime
+        if self.num_workers == 0:
+            if self._stream is None or runtime is None:
+                return list(self._resume)
+            return [runtime.checkpoint_for(self._book.delivered[0])]
+        if self._stream is None or self._channel is None:
+            return list(self._resume)
+        stream = self._stream
+        try:
+            answers = self._channel.request(
+                "checkpoint",
+                [{"delivered": d} for d in self._book.delivered],
+                timeout=self.worker_config.command_timeout,
+                is_alive=lambda w: _torch_compat.worker_alive(stream, w),
+            )
+        except WorkerError:
+            self._stop_stream()
+            raise
+        return [Checkpoint.model_validate(answer) for answer in answers]
+
+    def restore_state_rank(self, state: RankState | dict[str, Any] | None) -> None:
+        """Moves the stream to ``state`` (None: the start); running workers are stopped.
+
+        ``state`` is never modified. The next item comes from the restored position; a
+        state saved after an epoch's end restores to between epochs.
+
+        Raises:
+            StateError: ``state`` is malformed, or was saved by an incompatible loader
+                (another pipeline, worker count, batch size, seed, rank or world size).
+        """
+        self._check_open()
+        if state is None:
+            self._stop_stream()
+            self._book = _Book.fresh(len(self._book.delivered))
+            self._resume = [None] * len(self._resume)
+            return
+        state = RankState.from_plain(state)
+        self._check_compatible(state)
+        self._stop_stream()
+        self._book = _Book.of(state)
+        self._resume = [worker.checkpoint for worker in state.workers]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns :meth:`save_state_rank` as plain data (for ``torch.distributed.checkpoint``)."""
+        return self.save_state_rank().to_plain()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned."""
+        self.restore_state_rank(RankState.from_plain(state_dict))
+
+    def _check_compatible(self, state: RankState) -> None:
+        checks = [
+            ("world_size", state.world_size, self.world_size, "run with the same number of ranks"),
+            ("rank", state.rank, self.rank, "restore each rank's own state"),
+            (
+                "num_workers",
+                state.num_workers,
+                self.num_workers,
+                f"build the loader with num_workers={state.num_workers}",
+            ),
+            (
+                "batch_size",
+                state.batch_size,
+                self._spec.batch_size,
+                f"build the loader with batch_size={state.batch_size}",
+            ),
+            ("seed", state.seed, self.seed, f"build the loader with seed={state.seed}"),
+        ]
+        for name, saved, current, fix in checks:
+            if saved != current:
+                raise StateMismatchError(
+                    f"cannot restore: {name} was {saved} when the state was saved and is "
+                    f"{current} now; {fix}"
+                )
+        if state.fingerprint != self.fingerprint:
+            raise StateMismatchError(
+                f"cannot restore: the pipeline fingerprint was {state.fingerprint} when the "
+                f"state was saved and is {self.fingerprint} now; the dataset's config() or "
+                "the loader arguments drop_last / collate_fn differ. Rebuild the pipeline "
+                "exactly as it was when the state was saved"
+            )
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def _stop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None and self.num_workers > 0:
+            _torch_compat.drop_persistent_iterator(self, stream)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+            self._spec.channel = None
+        self._wrapper.runtime = None
+        self._stream_done = False
+
+    def close(self) -> None:
+        """Stops the workers and releases their queues. Idempotent."""
+        if self._closed:
+            return
+        self._stop_stream()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SavableLoaderError("this SavableDataLoader is closed")
+
+    def __enter__(self) -> SavableDataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _LoaderIterator(Iterator[Any]):
+    """An iterator over a :class:`SavableDataLoader`'s stream for the current epoch."""
+
+    def __init__(self, loader: SavableDataLoader) -> None:
+        self._loader = loader
+        self._done = False
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._loader._next(self)
+        except StopIteration:
+            self._done = True
+            raise
+
+
+def _as_savable(dataset: Any, *, shuffle: bool | None, seed: int) -> SavableDataset[Any]:
+    if isinstance(dataset, SavableDataset) or (
+        isinstance(dataset, IterableDataset)
+        and callable(getattr(dataset, "save_state", None))
+        and callable(getattr(dataset, "restore_state", None))
+    ):
+        _no_shuffle(dataset, shuffle)
+        return dataset  # type: ignore[no-any-return]
+    if callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    ):
+        _no_shuffle(dataset, shuffle)
+        return StatefulDataset(dataset)
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(
+            f"{type(dataset).__name__} is an IterableDataset without save_state()/"
+            "restore_state() or state_dict()/load_state_dict(); subclass "
+            "savable_loader.SavableDataset so its position can be saved"
+        )
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return IndexedDataset(dataset, shuffle=bool(shuffle), seed=seed)
+    raise ConfigError(
+        f"{type(dataset).__name__} is neither a SavableDataset, a Stateful iterable nor a "
+        "map-style dataset (__getitem__ and __len__)"
+    )
+
+
+def _no_shuffle(dataset: Any, shuffle: bool | None) -> None:
+    if shuffle:
+        raise ConfigError(
+            f"shuffle=True applies to map-style datasets; {type(dataset).__name__} is "
+            "iterable: shuffle inside the pipeline (savable_loader.datasets)"
+        )
+
+
+def _check_arguments(
+    *,
+    batch_size: int | None,
+    sampler: Any,
+    batch_sampler: Any,
+    num_workers: int,
+    drop_last: bool,
+    generator: Any,
+    prefetch_factor: int | None,
+    persistent_workers: bool | None,
+    in_order: bool,
+    seed: int,
+) -> None:
+    if sampler is not None or batch_sampler is not None:
+        raise ConfigError(
+            "sampler and batch_sampler are not supported: their position cannot be saved "
+            "exactly; use shuffle=True (map-style datasets) or a savable pipeline"
+        )
+    if not in_order:
+        raise ConfigError(
+            "in_order=False delivers batches in the order workers finish them, which a "
+            "restore cannot reproduce; use in_order=True"
+        )
+    if generator is not None:
+        raise ConfigError(
+            "generator is not supported: the loader's random choices derive from seed=..., "
+            "so that a restored loader reproduces them"
+        )
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(f"num_workers must be a non-negative int, got {num_workers!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ConfigError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    if batch_size is None and drop_last:
+        raise ConfigError("drop_last=True needs a batch_size (it drops incomplete batches)")
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ConfigError("prefetch_factor applies to worker processes; num_workers is 0")
+    if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
+        raise ConfigError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
+    if num_workers > 0 and persistent_workers is False:
+        raise ConfigError(
+            "persistent_workers=False is not supported: worker processes keep the pipeline's "
+            "position between epochs; leave it None or True"
+        )
+    if not isinstance(seed, int):
+        raise ConfigError(f"seed must be an int, got {seed!r}")
+
+
+def _qualname(function: Callable[..., Any] | None) -> str | None:
+    if function is None:
+        return None
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}"

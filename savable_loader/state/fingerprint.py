@@ -1,0 +1,38 @@
+"""A stable hash of what identifies a pipeline and the loader arguments shaping its stream."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["fingerprint"]
+
+
+def fingerprint(tree: dict[str, Any]) -> str:
+    """Returns a 16-hex-digit hash of a tree of plain data, independent of dict order.
+
+    Raises:
+        ConfigError: The tree holds something other than dict (str keys), list, tuple,
+            str, int, float, bool or None; the message names its path.
+    """
+    canonical = json.dumps(_check(tree, "config"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _check(value: Any, path: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_check(item, f"{path}[{index}]") for index, item in enumerate(value)]
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise ConfigError(f"{path} has a non-str key {key!r}; config() keys are str")
+        return {key: _check(item, f"{path}.{key}") for key, item in value.items()}
+    raise ConfigError(
+        f"{path} is a {type(value).__name__}; config() must return plain data "
+        "(dict, list, str, int, float, bool, None) so its fingerprint is stable"
+    )

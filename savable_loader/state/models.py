@@ -1,0 +1,217 @@
+"""Typed, closed, versioned models of a saved loader state.
+
+Every model is frozen and refuses extra fields; scalar fields are strict, so a hand-edited
+state with a wrong type fails at the door with pydantic's field path instead of deep
+inside a worker. Serialisation (msgpack, file header) lives in
+:mod:`savable_loader.serialization`; these models only convert to and from plain data.
+
+NOTE [ Sequence numbers ]
+Each worker numbers the *events* it produces: one per batch (an "item" of the loader)
+and one per end of epoch. ``delivered`` counts the events the loader handed on (end
+markers included), so ``delivered`` is the sequence number of the next event the
+consumer wants from that worker. A checkpoint at ``seq`` is the worker's state just
+before producing event ``seq``; restoring it and replaying ``delivered - seq`` events
+reaches the consumer's position exactly. A checkpoint is always taken right after an
+end-of-epoch event, so a replay never crosses an epoch boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictBytes,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
+
+from ..errors import StateFormatError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Checkpoint",
+    "RankState",
+    "RngState",
+    "WorkerState",
+]
+
+#: Version of the state layout below. Bumped on any incompatible change to the models.
+FORMAT_VERSION = 1
+
+_MAX_DATASET_STATE = 64 * 1024 * 1024
+_MAX_WORKERS = 4096
+
+NonNegative = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RngState(_Model):
+    """The three global generators of one worker, as plain bytes and numbers.
+
+    Attributes:
+        python: Python ``random``'s 624 Mersenne Twister words and position, uint32 LE.
+        python_gauss: ``random``'s cached Gaussian (``gauss_next``), or None.
+        numpy_key: ``numpy.random``'s 624 Mersenne Twister words, uint32 LE.
+        numpy_pos: Position in ``numpy_key``.
+        numpy_has_gauss: Whether NumPy holds a cached Gaussian (0 or 1).
+        numpy_gauss: NumPy's cached Gaussian.
+        torch: torch's CPU generator state as returned by ``torch.get_rng_state()``.
+    """
+
+    python: Annotated[StrictBytes, Field(min_length=2500, max_length=2500)]
+    python_gauss: StrictFloat | None
+    numpy_key: Annotated[StrictBytes, Field(min_length=2496, max_length=2496)]
+    numpy_pos: Annotated[StrictInt, Field(ge=0, le=624)]
+    numpy_has_gauss: Annotated[StrictInt, Field(ge=0, le=1)]
+    numpy_gauss: StrictFloat
+    torch: Annotated[StrictBytes, Field(min_length=1, max_length=1 << 20)]
+
+
+class Checkpoint(_Model):
+    """A worker's state just before it produces event ``seq``.
+
+    Attributes:
+        seq: Sequence number of the next event (see NOTE [ Sequence numbers ]).
+        dataset_state: The dataset's ``save_state()``, msgpack-encoded.
+        rng: The worker's global generators.
+    """
+
+    seq: NonNegative
+    dataset_state: Annotated[StrictBytes, Field(max_length=_MAX_DATASET_STATE)]
+    rng: RngState
+
+
+class WorkerState(_Model):
+    """Where the consumer stands in one worker's stream.
+
+    Attributes:
+        worker_id: The worker's id (``get_worker_info().id``); 0 without workers.
+        delivered: Events of this worker handed on by the loader, end markers included.
+        ended: Whether this worker's end of the current epoch was handed on.
+        checkpoint: The newest checkpoint at or before ``delivered``; None for a worker
+            that never started (it starts from the dataset's initial state).
+    """
+
+    worker_id: NonNegative
+    delivered: NonNegative
+    ended: StrictBool
+    checkpoint: Checkpoint | None
+
+    @model_validator(mode="after")
+    def _checkpoint_not_ahead(self) -> WorkerState:
+        if self.checkpoint is not None and self.checkpoint.seq > self.delivered:
+            raise ValueError(
+                f"checkpoint.seq ({self.checkpoint.seq}) is past delivered ({self.delivered})"
+            )
+        return self
+
+    @property
+    def replay(self) -> int:
+        """Events to recompute after restoring ``checkpoint`` (all of them when None)."""
+        return self.delivered - (self.checkpoint.seq if self.checkpoint is not None else 0)
+
+
+class RankState(_Model):
+    """The state of one rank's loader: what ``save_state_rank()`` returns.
+
+    Attributes:
+        format_version: Layout version of this model (:data:`FORMAT_VERSION`).
+        library_version: savable_loader version that wrote the state (informational).
+        fingerprint: Hash of the pipeline's ``config()`` and the loader arguments that
+            shape the stream; a restore refuses a state saved under another one.
+        rank: This loader's rank.
+        world_size: Number of ranks.
+        num_workers: Worker processes (0: the main process ran the pipeline).
+        batch_size: Items per batch, None when the loader does not batch.
+        seed: The loader seed all random choices derive from.
+        epoch: Index of the current epoch (the one in progress or the last one ended).
+        next_worker: Worker whose event comes next in torch's round-robin order.
+        workers: One entry per worker (one entry when ``num_workers`` is 0).
+    """
+
+    format_version: StrictInt
+    library_version: StrictStr
+    fingerprint: StrictStr
+    rank: NonNegative
+    world_size: Annotated[StrictInt, Field(ge=1)]
+    num_workers: Annotated[StrictInt, Field(ge=0, le=_MAX_WORKERS)]
+    batch_size: Annotated[StrictInt, Field(ge=1)] | None
+    seed: StrictInt
+    epoch: NonNegative
+    next_worker: NonNegative
+    workers: tuple[WorkerState, ...]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RankState:
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(
+                f"format_version {self.format_version} is not {FORMAT_VERSION}, "
+                "the version this savable_loader reads"
+            )
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        expected = max(self.num_workers, 1)
+        if len(self.workers) != expected:
+            raise ValueError(
+                f"{len(self.workers)} worker entries for num_workers={self.num_workers}, "
+                f"expected {expected}"
+            )
+        for index, worker in enumerate(self.workers):
+            if worker.worker_id != index:
+                raise ValueError(f"workers[{index}] has worker_id {worker.worker_id}")
+        if self.next_worker >= expected:
+            raise ValueError(f"next_worker {self.next_worker} is not a worker id")
+        return self
+
+    @property
+    def between_epochs(self) -> bool:
+        """True when every worker ended the epoch: the next ``iter()`` starts a new one."""
+        return all(worker.ended for worker in self.workers)
+
+    def to_plain(self) -> dict[str, Any]:
+        """Returns the state as plain data (dict, list, str, int, float, bool, None, bytes)."""
+        return _listify(self.model_dump(mode="python"))  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_plain(cls, data: Any) -> RankState:
+        """Validates plain data (as :meth:`to_plain` returns) into a state.
+
+        Raises:
+            StateFormatError: ``data`` is not a state of this format version, or a field
+                is missing, extra, of the wrong type or out of range.
+        """
+        if isinstance(data, RankState):
+            return data
+        if not isinstance(data, dict):
+            raise StateFormatError(
+                f"a loader state is a dict, got {type(data).__name__}; pass what "
+                "save_state_rank(), state_dict() or load_state() returned"
+            )
+        version = data.get("format_version")
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise StateFormatError(
+                f"state format_version {version} is newer than {FORMAT_VERSION}, the newest "
+                "this savable_loader reads; upgrade savable_loader to restore it"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as error:
+            raise StateFormatError(f"invalid loader state: {error}") from None
+
+
+def _listify(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _listify(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_listify(item) for item in value]
+    return value

@@ -1,0 +1,125 @@
+"""Shared test configuration: Hypothesis profiles and a child-process leak check."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import settings
+
+# NOTE [ Hypothesis profiles ]
+# "ci" (the default) is reproducible: derandomized, no deadline (multi-process
+# tests have noisy timings). "dev" is a quicker exploratory run:
+# HYPOTHESIS_PROFILE=dev pytest ...
+settings.register_profile("ci", deadline=None, derandomize=True, max_examples=25)
+settings.register_profile("dev", deadline=None, max_examples=10)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# NOTE [ Child-process leak check ]
+# After every test, any process the test started must be gone. Children are found
+# through multiprocessing.active_children() and, on Linux, /proc/self/task/*/children,
+# which also lists torch DataLoader workers and processes started by other means.
+# Workers started through a forkserver are children of the forkserver, so its
+# children are checked too. The multiprocessing forkserver and resource tracker
+# themselves are long-lived by design and are never counted as leaks.
+LEAK_GRACE_SECONDS = 10.0
+_INFRASTRUCTURE_MARKERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+_HAS_PROC_CHILDREN = sys.platform.startswith("linux") and bool(
+    glob.glob("/proc/self/task/*/children")
+)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            raw = file.read()
+    except OSError:
+        return "<unavailable>"
+    cmdline = raw.replace(b"\0", b" ").decode(errors="replace").strip() or "<empty>"
+    return cmdline if len(cmdline) <= 300 else cmdline[:297] + "..."
+
+
+def _is_running(pid: int) -> bool:
+    """False once the process is gone or a zombie (it has exited, only not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
+
+
+def _proc_children(pid: int | str) -> set[int]:
+    children: set[int] = set()
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as file:
+                children.update(int(child) for child in file.read().split())
+        except (OSError, ValueError):
+            continue  # the thread or process exited meanwhile
+    return children
+
+
+def _is_infrastructure(pid: int) -> bool:
+    cmdline = _cmdline(pid)
+    return any(marker in cmdline for marker in _INFRASTRUCTURE_MARKERS)
+
+
+def _child_pids() -> set[int]:
+    """Running descendants that count as this test's processes (infrastructure excluded)."""
+    # active_children() also reaps multiprocessing children that have exited.
+    pids = {process.pid for process in multiprocessing.active_children() if process.pid}
+    infrastructure: set[int] = set()
+    if _HAS_PROC_CHILDREN:
+        for pid in _proc_children("self"):
+            if _is_infrastructure(pid):
+                infrastructure.add(pid)
+                # Workers forked by the forkserver share its cmdline; only the
+                # direct child is infrastructure.
+                pids.update(_proc_children(pid))
+            else:
+                pids.add(pid)
+    return {pid for pid in pids - infrastructure if _is_running(pid)}
+
+
+def _terminate(pids: set[int]) -> None:
+    """Stop leaked processes so that one leak does not disturb later tests."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            multiprocessing.active_children()
+            pids = {pid for pid in pids if _is_running(pid)}
+            if not pids:
+                return
+            time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_child_processes() -> Iterator[None]:
+    """Fail the test if a child process it started is still running afterwards."""
+    before = _child_pids()
+    yield
+    deadline = time.monotonic() + LEAK_GRACE_SECONDS
+    leaked = _child_pids() - before
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leaked = _child_pids() - before
+    if leaked:
+        details = "\n".join(f"  pid {pid}: {_cmdline(pid)}" for pid in sorted(leaked))
+        _terminate(leaked)
+        pytest.fail(
+            f"{len(leaked)} child process(es) still running {LEAK_GRACE_SECONDS:.0f} s "
+            f"after the test (now terminated):\n{details}",
+            pytrace=False,
+        )
