@@ -15,7 +15,8 @@ NOTE [ Checkpoint policy ]
 After producing an event, the worker may record a checkpoint (dataset state and its
 three global generators) in a ring. It measures what a checkpoint costs and earns a
 budget of ``checkpoint_share`` of the time spent producing events; it records one
-whenever the budget covers the cost. Expensive items are therefore all checkpointed
+whenever the budget covers the cost (measured in the thread's CPU time, so waits for the
+GIL do not count). Expensive items are therefore all checkpointed
 (a restore recomputes nothing) and cheap items are checkpointed every few
 milliseconds (a restore recomputes a few milliseconds of work). A checkpoint is always
 recorded at start-up and after an END. Retention is by sequence number: the consumer
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import statistics
 import threading
 import time
 import traceback
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 ITEM, END, PLACEHOLDER = 0, 1, 2
 _SEED_PURPOSE = 0x5EED
 _MAX_BUDGET_CHECKPOINTS = 4
+_COST_WINDOW = 9
 
 Event = tuple[int, int, int, Any]
 
@@ -98,12 +101,15 @@ class _Entry:
     """A ring entry: a checkpoint kept as in-process objects until a save asks for it."""
 
     seq: int
+    exhausted: bool
     dataset_state: bytes
     rng: rng.RngSnapshot | RngState
 
     def to_checkpoint(self) -> Checkpoint:
         state = self.rng if isinstance(self.rng, RngState) else self.rng.to_state()
-        return Checkpoint(seq=self.seq, dataset_state=self.dataset_state, rng=state)
+        return Checkpoint(
+            seq=self.seq, exhausted=self.exhausted, dataset_state=self.dataset_state, rng=state
+        )
 
 
 def encode_dataset_state(dataset: SavableDataset[Any]) -> bytes:
@@ -140,9 +146,11 @@ class PipelineRuntime:
         self.dataset = spec.dataset
         self._lock = threading.Lock()
         self._ring: collections.deque[_Entry] = collections.deque()
+        self._costs: collections.deque[float] = collections.deque(maxlen=_COST_WINDOW)
         self._cost = 0.0
         self._budget = 0.0
         self._first_epoch = True
+        self._exhausted = False
         self.checkpoints_taken = 0
         self.replayed = 0
         start = spec.starts[worker_id] if spec.starts else WorkerStart()
@@ -167,10 +175,20 @@ class PipelineRuntime:
             self.dataset.restore_state(decode_dataset_state(checkpoint.dataset_state))
             rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
             self.seq = checkpoint.seq
-            self._record(_Entry(checkpoint.seq, checkpoint.dataset_state, checkpoint.rng))
+            self._exhausted = checkpoint.exhausted
+            self._record(
+                _Entry(
+                    checkpoint.seq, checkpoint.exhausted, checkpoint.dataset_state, checkpoint.rng
+                )
+            )
         self.rng = rng.capture()
         if outer is not None:
             rng.apply(outer)
+        # The ring holds a checkpoint before the command server reports ready. The first
+        # capture runs cold (first calls, caches), so a second one measures the cost.
+        self._checkpoint_now()
+        self._costs.clear()
+        self._checkpoint_now()
         if start.delivered < self.seq:
             raise StateError(
                 f"worker {worker_id}: delivered {start.delivered} is before its checkpoint "
@@ -194,11 +212,14 @@ class PipelineRuntime:
         fast = replay > 0 and self._skip is not None and self.spec.collate_fn is None
         if fast:
             self._advance(replay, lambda: self._skip(replay * (self.spec.batch_size or 1)))
-        with self._generators():
-            source = self._batches(iter(self.dataset))
+        if self._exhausted:
+            source: Iterator[Any] = iter(())
+        else:
+            with self._generators():
+                source = self._batches(iter(self.dataset))
         if replay > 0 and not fast:
             self._advance(replay, lambda: self._produce(source, replay))
-        if first or not self._ring:
+        if replay > 0:
             self._checkpoint_now()
         return self._run(source, placeholder=first and self._start.placeholder)
 
@@ -213,6 +234,7 @@ class PipelineRuntime:
             seq = self.seq
             self.seq += 1
             if item is _END_OF_SOURCE:
+                self._exhausted = False
                 self._checkpoint_now()
                 yield (self.worker_id, seq, END, None)
                 return
@@ -234,10 +256,14 @@ class PipelineRuntime:
                 batch.append(item)
                 if len(batch) == spec.batch_size:
                     break
+            else:
+                # The source ended while filling this batch: remember it, since the
+                # dataset's own state already points at the next epoch.
+                self._exhausted = True
             if not batch or (spec.drop_last and len(batch) < spec.batch_size):
                 return
             yield collate(batch)
-            if len(batch) < spec.batch_size:
+            if self._exhausted:
                 return
 
     def _advance(self, events: int, step: Callable[[], None]) -> None:
@@ -270,15 +296,18 @@ class PipelineRuntime:
     def _capture(self) -> _Entry:
         return _Entry(
             self.seq,
+            self._exhausted,
             encode_dataset_state(self.dataset),
             self.rng if self.in_main else rng.capture(),
         )
 
     def _checkpoint_now(self) -> None:
-        began = time.perf_counter()
+        # CPU time of this thread: wall time would count waits for the GIL held by
+        # torch's queue feeder thread, which pickles the previous batch meanwhile.
+        began = time.thread_time()
         self._record(self._capture())
-        cost = time.perf_counter() - began
-        self._cost = cost if self._cost == 0.0 else 0.8 * self._cost + 0.2 * cost
+        self._costs.append(time.thread_time() - began)
+        self._cost = statistics.median(self._costs)
         self.checkpoints_taken += 1
 
     def _maybe_checkpoint(self, elapsed: float) -> None:
@@ -327,7 +356,11 @@ class PipelineRuntime:
             "checkpoint_cost_s": self._cost,
             "checkpoints_taken": self.checkpoints_taken,
             "replayed": self.replayed,
-            "checkpoint_bytes": len(ring[-1].to_checkpoint().model_dump_json()) if ring else 0,
+            "checkpoint_bytes": (
+                len(msgpack.packb(ring[-1].to_checkpoint().model_dump(), use_bin_type=True))
+                if ring
+                else 0
+            ),
         }
 
 

@@ -395,6 +395,30 @@ class SavableDataLoader(DataLoader[Any]):
             raise
         return [Checkpoint.model_validate(answer) for answer in answers]
 
+    def worker_stats(self) -> list[dict[str, Any]]:
+        """Returns per-worker figures: checkpoints taken, their cost and size, ring entries,
+        events replayed at start-up. Empty before the pipeline starts.
+
+        Raises:
+            WorkerError: A worker is dead or did not answer within its command timeout.
+        """
+        self._check_open()
+        if self._stream is None:
+            return []
+        runtime = self._wrapper.runtime
+        if self.num_workers == 0:
+            return [runtime.stats()] if runtime is not None else []
+        if self._channel is None:
+            return []
+        stream = self._stream
+        answers = self._channel.request(
+            "stats",
+            [{} for _ in range(self.num_workers)],
+            timeout=self.worker_config.command_timeout,
+            is_alive=lambda w: _torch_compat.worker_alive(stream, w),
+        )
+        return [dict(answer) for answer in answers]
+
     def restore_state_rank(self, state: RankState | dict[str, Any] | None) -> None:
         """Moves the stream to ``state`` (None: the start); running workers are stopped.
 

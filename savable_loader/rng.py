@@ -19,6 +19,7 @@ training loop's own draws cannot change the data stream.
 from __future__ import annotations
 
 import array
+import ctypes
 import random
 import sys
 from dataclasses import dataclass
@@ -39,19 +40,17 @@ _MT_WORDS = 624
 class RngSnapshot:
     """The three global generators' states, as the generators themselves return them."""
 
-    python: tuple[Any, ...]
+    python: bytes
+    python_gauss: float | None
     numpy: tuple[Any, ...]
     torch: torch.Tensor
 
     def to_state(self) -> RngState:
         """Converts to the serialisable :class:`RngState` (plain bytes and numbers)."""
-        version, words, gauss_next = self.python
-        if version != _PY_STATE_VERSION:
-            raise ValueError(f"unsupported random state version {version}")
         _, key, pos, has_gauss, cached_gaussian = self.numpy
         return RngState(
-            python=_words_to_bytes(words),
-            python_gauss=gauss_next,
+            python=self.python,
+            python_gauss=self.python_gauss,
             numpy_key=np.ascontiguousarray(key, dtype="<u4").tobytes(),
             numpy_pos=int(pos),
             numpy_has_gauss=int(has_gauss),
@@ -64,7 +63,8 @@ class RngSnapshot:
         """Rebuilds the snapshot a :class:`RngState` was made from."""
         key = np.frombuffer(state.numpy_key, dtype="<u4").astype(np.uint32)
         return cls(
-            python=(_PY_STATE_VERSION, _bytes_to_words(state.python), state.python_gauss),
+            python=state.python,
+            python_gauss=state.python_gauss,
             numpy=("MT19937", key, state.numpy_pos, state.numpy_has_gauss, state.numpy_gauss),
             torch=torch.frombuffer(bytearray(state.torch), dtype=torch.uint8).clone(),
         )
@@ -73,17 +73,194 @@ class RngSnapshot:
 def capture() -> RngSnapshot:
     """Returns the current states of ``random``, ``numpy.random`` and torch's CPU generator."""
     return RngSnapshot(
-        python=random.getstate(),
-        numpy=np.random.get_state(legacy=True),  # type: ignore[arg-type]
+        python=_PYTHON.get(),
+        python_gauss=random._inst.gauss_next,  # type: ignore[attr-defined]
+        numpy=_NUMPY.get(),
         torch=torch.get_rng_state(),
     )
 
 
 def apply(snapshot: RngSnapshot) -> None:
     """Sets the three global generators to ``snapshot``."""
-    random.setstate(snapshot.python)
-    np.random.set_state(snapshot.numpy)
+    _PYTHON.set(snapshot.python)
+    random._inst.gauss_next = snapshot.python_gauss  # type: ignore[attr-defined]
+    _NUMPY.set(snapshot.numpy)
     torch.set_rng_state(snapshot.torch)
+
+
+class _PythonGlobalState:
+    """Reads and writes ``random``'s Mersenne Twister as 625 uint32 LE (words, then index).
+
+    NOTE [ Fast Python state ]
+    ``random.getstate()`` builds a tuple of 625 Python ints, which dominates a checkpoint
+    taken with cold caches. CPython's ``_random.Random`` object holds the index and the
+    624 words inline; their place is found on a probe ``Random`` by searching its memory
+    for the words ``getstate()`` reports, then checked both ways (read after draws,
+    write then ``getstate()``) and used only when every check agrees and the machine is
+    little-endian. Otherwise ``getstate``/``setstate`` are used. ``gauss_next`` is a
+    plain attribute of ``random.Random`` and is read as such.
+    """
+
+    def __init__(self) -> None:
+        self._offset = self._locate()
+
+    def get(self) -> bytes:
+        if self._offset is None:
+            return _words_to_bytes(random.getstate()[1])
+        raw = ctypes.string_at(id(random._inst) + self._offset, 4 * (_MT_WORDS + 1))  # type: ignore[attr-defined]
+        return raw[4:] + raw[:4]
+
+    def set(self, data: bytes) -> None:
+        if len(data) != 4 * (_MT_WORDS + 1):
+            raise ValueError(f"python random state has {len(data)} bytes, expected 2500")
+        if self._offset is None:
+            gauss = random._inst.gauss_next  # type: ignore[attr-defined]
+            random.setstate((_PY_STATE_VERSION, _bytes_to_words(data), gauss))
+            return
+        raw = data[-4:] + data[:-4]
+        ctypes.memmove(id(random._inst) + self._offset, raw, len(raw))  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _locate() -> int | None:
+        if sys.byteorder != "little" or sys.implementation.name != "cpython":
+            return None
+        try:
+            import _random
+
+            probe = random.Random(20240229)
+            probe.random()
+            words = probe.getstate()[1]
+            memory = ctypes.string_at(id(probe), _random.Random.__basicsize__)
+            found = memory.find(_words_to_bytes(words[:_MT_WORDS]))
+            if found < 4 or memory.find(_words_to_bytes(words[:_MT_WORDS]), found + 1) != -1:
+                return None
+            offset = found - 4
+        except (AttributeError, ImportError, TypeError, ValueError):
+            return None
+        return offset if _PythonGlobalState._verify(probe, offset) else None
+
+    @staticmethod
+    def _verify(probe: random.Random, offset: int) -> bool:
+        for draws in (0, 1, 700):
+            for _ in range(draws):
+                probe.random()
+            version, words, gauss = probe.getstate()
+            raw = ctypes.string_at(id(probe) + offset, 4 * (_MT_WORDS + 1))
+            if raw[4:] + raw[:4] != _words_to_bytes(words):
+                return False
+            expected = probe.getstate()
+            probe.random()
+            ctypes.memmove(id(probe) + offset, raw, len(raw))
+            if probe.getstate() != expected:
+                return False
+        return True
+
+
+class _NumpyGlobalState:
+    """Reads and writes ``numpy.random``'s legacy global state, fast when it safely can.
+
+    NOTE [ Fast NumPy state ]
+    ``numpy.random.get_state()`` copies the 624-word key element by element and costs
+    about 70 us, most of a checkpoint. NumPy publishes the Mersenne Twister's state
+    struct (``BitGenerator.ctypes.state_address``: 624 words, then the position), but
+    not the legacy Gaussian cache (``has_gauss``, ``gauss``) that ``RandomState`` keeps
+    next to its ``bitgen_t``. That cache's place is found once, on a probe
+    ``RandomState``, as the struct that points at the probe's ``bitgen_t``; the fast
+    path is then checked against ``get_state``/``set_state`` on the probe (after Gaussian
+    draws that set and clear the cache) and used only if every check agrees. Otherwise,
+    or on an unexpected NumPy, the public functions are used.
+    """
+
+    def __init__(self) -> None:
+        self._offsets = self._locate()
+
+    def get(self) -> tuple[Any, ...]:
+        rs = np.random.mtrand._rand
+        offsets = self._offsets
+        if offsets is None:
+            return tuple(rs.get_state(legacy=True))
+        state, aug = rs._bit_generator.ctypes.state_address, id(rs) + offsets
+        return (
+            "MT19937",
+            np.frombuffer(ctypes.string_at(state, _MT_WORDS * 4), dtype=np.uint32),
+            ctypes.c_int.from_address(state + _MT_WORDS * 4).value,
+            ctypes.c_int.from_address(aug + _HAS_GAUSS).value,
+            ctypes.c_double.from_address(aug + _GAUSS).value,
+        )
+
+    def set(self, value: tuple[Any, ...]) -> None:
+        rs = np.random.mtrand._rand
+        offsets = self._offsets
+        if offsets is None:
+            rs.set_state(value)
+            return
+        _, key, pos, has_gauss, gauss = value
+        state, aug = rs._bit_generator.ctypes.state_address, id(rs) + offsets
+        words = np.ascontiguousarray(key, dtype=np.uint32)
+        if words.shape != (_MT_WORDS,):
+            raise ValueError(f"numpy key has shape {words.shape}, expected ({_MT_WORDS},)")
+        ctypes.memmove(state, words.ctypes.data, _MT_WORDS * 4)
+        ctypes.c_int.from_address(state + _MT_WORDS * 4).value = int(pos)
+        ctypes.c_int.from_address(aug + _HAS_GAUSS).value = int(has_gauss)
+        ctypes.c_double.from_address(aug + _GAUSS).value = float(gauss)
+
+    @staticmethod
+    def _locate() -> int | None:
+        try:
+            probe = np.random.RandomState(20240229)
+            if type(probe._bit_generator).__name__ != "MT19937":
+                return None
+            base, size = id(probe), type(probe).__basicsize__
+            words = (ctypes.c_size_t * (size // ctypes.sizeof(ctypes.c_size_t))).from_address(base)
+            pointer = ctypes.sizeof(ctypes.c_size_t)
+            state = probe._bit_generator.ctypes.state_address
+            bitgens = [base + i * pointer for i, word in enumerate(words) if word == state]
+            if len(bitgens) != 1:
+                return None
+            augs = [i * pointer for i, word in enumerate(words) if word == bitgens[0]]
+            if len(augs) != 1:
+                return None
+            offsets = augs[0]
+        except (AttributeError, TypeError, ValueError):
+            return None
+        return offsets if _NumpyGlobalState._verify(probe, offsets) else None
+
+    @staticmethod
+    def _verify(probe: Any, offsets: int) -> bool:
+        fast = _NumpyGlobalState.__new__(_NumpyGlobalState)
+        fast._offsets = offsets
+        saved = np.random.mtrand._rand
+        try:
+            np.random.mtrand._rand = probe
+            for draws in (0, 1, 2, 3):
+                for _ in range(draws):
+                    probe.standard_normal()
+                expected = probe.get_state(legacy=True)
+                got = fast.get()
+                if not _same_numpy_state(expected, got):
+                    return False
+                probe.random_sample(7)
+                probe.standard_normal()
+                fast.set(got)
+                if not _same_numpy_state(probe.get_state(legacy=True), expected):
+                    return False
+            return True
+        finally:
+            np.random.mtrand._rand = saved
+
+
+def _same_numpy_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return (
+        a[0] == b[0]
+        and np.array_equal(a[1], b[1])
+        and int(a[2]) == int(b[2])
+        and int(a[3]) == int(b[3])
+        and float(a[4]) == float(b[4])
+    )
+
+
+_HAS_GAUSS = ctypes.sizeof(ctypes.c_void_p)
+_GAUSS = _HAS_GAUSS + ctypes.sizeof(ctypes.c_double)
 
 
 def derive_seed(seed: int, *keys: int) -> int:
@@ -115,3 +292,7 @@ def _bytes_to_words(data: bytes) -> tuple[int, ...]:
     if len(words) != _MT_WORDS + 1:
         raise ValueError(f"python random state has {len(words)} words, expected {_MT_WORDS + 1}")
     return tuple(words)
+
+
+_NUMPY = _NumpyGlobalState()
+_PYTHON = _PythonGlobalState()

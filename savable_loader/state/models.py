@@ -82,11 +82,15 @@ class Checkpoint(_Model):
 
     Attributes:
         seq: Sequence number of the next event (see NOTE [ Sequence numbers ]).
+        exhausted: The dataset's iteration for this epoch already ended (reading ahead to
+            fill the last, incomplete batch) and the next event is the end of the epoch;
+            ``dataset_state`` then already points at the next epoch.
         dataset_state: The dataset's ``save_state()``, msgpack-encoded.
         rng: The worker's global generators.
     """
 
     seq: NonNegative
+    exhausted: StrictBool
     dataset_state: Annotated[StrictBytes, Field(max_length=_MAX_DATASET_STATE)]
     rng: RngState
 
