@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import statistics
 import threading
 import time
@@ -209,9 +210,10 @@ class PipelineRuntime:
                     f"worker {self.worker_id} ended its epoch but would replay {replay} events"
                 )
             return iter(())
-        fast = replay > 0 and self._skip is not None and self.spec.collate_fn is None
-        if fast:
-            self._advance(replay, lambda: self._skip(replay * (self.spec.batch_size or 1)))
+        skip = self._skip
+        fast = replay > 0 and skip is not None and self.spec.collate_fn is None
+        if fast and skip is not None:
+            self._advance(replay, lambda: skip(replay * (self.spec.batch_size or 1)))
         if self._exhausted:
             source: Iterator[Any] = iter(())
         else:
@@ -351,6 +353,7 @@ class PipelineRuntime:
         with self._lock:
             ring = list(self._ring)
         return {
+            "pid": os.getpid(),
             "seq": self.seq,
             "ring_entries": len(ring),
             "checkpoint_cost_s": self._cost,
@@ -387,7 +390,7 @@ class _GeneratorScope:
             rng.apply(self._outer)
 
 
-class WorkerWrapper(IterableDataset[Event]):  # type: ignore[misc]
+class WorkerWrapper(IterableDataset[Event]):
     """What torch's ``DataLoader`` iterates: starts a :class:`PipelineRuntime` per process.
 
     The loader sets :attr:`spec` before torch starts the workers, so every start method
@@ -417,9 +420,7 @@ class WorkerWrapper(IterableDataset[Event]):  # type: ignore[misc]
             channel.commands[info.id],
             channel.results[info.id],
             {
-                "checkpoint": lambda args: holder[0]
-                .checkpoint_for(args["delivered"])
-                .model_dump(),
+                "checkpoint": lambda args: holder[0].checkpoint_for(args["delivered"]).model_dump(),
                 "stats": lambda args: holder[0].stats(),
             },
         )

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -294,13 +294,7 @@ class SavableDataLoader(DataLoader[Any]):
                     ) from None
                 raise
             except RuntimeError as error:
-                dead = self._dead_workers()
-                if dead and not isinstance(error, SavableLoaderError):
-                    self._stop_stream()
-                    raise WorkerError(
-                        f"worker(s) {dead} died while producing items; restore the last "
-                        "saved state into a new loader to resume"
-                    ) from error
+                self._raise_if_workers_died(error, "while producing items")
                 raise
             if kind == PLACEHOLDER:
                 continue
@@ -308,6 +302,21 @@ class SavableDataLoader(DataLoader[Any]):
             if kind == END:
                 continue
             return payload
+
+    def _raise_if_workers_died(self, error: BaseException, during: str) -> None:
+        """Turns an error into :class:`WorkerError` (stopping the rest) if workers died.
+
+        Torch's SIGCHLD handler raises RuntimeError in the main thread wherever it is when
+        a worker dies, so the error may come from any wait, ours included.
+        """
+        dead = self._dead_workers()
+        if not dead:
+            return
+        self._stop_stream()
+        raise WorkerError(
+            f"worker(s) {dead} died {during}; restore the last saved state into a new "
+            f"loader to resume ({error})"
+        ) from error
 
     def _unended(self) -> list[int]:
         return [w for w, ended in enumerate(self._book.ended) if not ended]
@@ -321,7 +330,9 @@ class SavableDataLoader(DataLoader[Any]):
     def __len__(self) -> int:
         """Batches this rank yields per epoch, for map-style datasets (as with torch)."""
         if not isinstance(self.source, IndexedDataset):
-            raise TypeError(f"{type(self.source).__name__} has no len(); the epoch ends when it does")
+            raise TypeError(
+                f"{type(self.source).__name__} has no len(); the epoch ends when it does"
+            )
         batch = self._spec.batch_size
         total = 0
         for worker in range(max(self.num_workers, 1)):
@@ -390,8 +401,10 @@ class SavableDataLoader(DataLoader[Any]):
                 timeout=self.worker_config.command_timeout,
                 is_alive=lambda w: _torch_compat.worker_alive(stream, w),
             )
-        except WorkerError:
-            self._stop_stream()
+        except RuntimeError as error:  # WorkerError included
+            # A dead worker stops the stream; a hung one is left to close(), which may
+            # need torch's join timeout to end it, so the error comes without delay.
+            self._raise_if_workers_died(error, "during a save")
             raise
         return [Checkpoint.model_validate(answer) for answer in answers]
 
@@ -536,7 +549,7 @@ def _as_savable(dataset: Any, *, shuffle: bool | None, seed: int) -> SavableData
         and callable(getattr(dataset, "restore_state", None))
     ):
         _no_shuffle(dataset, shuffle)
-        return dataset  # type: ignore[no-any-return]
+        return cast("SavableDataset[Any]", dataset)
     if callable(getattr(dataset, "state_dict", None)) and callable(
         getattr(dataset, "load_state_dict", None)
     ):
@@ -600,7 +613,9 @@ def _check_arguments(
         raise ConfigError("drop_last=True needs a batch_size (it drops incomplete batches)")
     if num_workers == 0 and prefetch_factor is not None:
         raise ConfigError("prefetch_factor applies to worker processes; num_workers is 0")
-    if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
+    if prefetch_factor is not None and (
+        not isinstance(prefetch_factor, int) or prefetch_factor < 1
+    ):
         raise ConfigError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
     if num_workers > 0 and persistent_workers is False:
         raise ConfigError(

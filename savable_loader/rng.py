@@ -107,7 +107,7 @@ class _PythonGlobalState:
     def get(self) -> bytes:
         if self._offset is None:
             return _words_to_bytes(random.getstate()[1])
-        raw = ctypes.string_at(id(random._inst) + self._offset, 4 * (_MT_WORDS + 1))  # type: ignore[attr-defined]
+        raw = ctypes.string_at(id(random._inst) + self._offset, 4 * (_MT_WORDS + 1))
         return raw[4:] + raw[:4]
 
     def set(self, data: bytes) -> None:
@@ -118,7 +118,7 @@ class _PythonGlobalState:
             random.setstate((_PY_STATE_VERSION, _bytes_to_words(data), gauss))
             return
         raw = data[-4:] + data[:-4]
-        ctypes.memmove(id(random._inst) + self._offset, raw, len(raw))  # type: ignore[attr-defined]
+        ctypes.memmove(id(random._inst) + self._offset, raw, len(raw))
 
     @staticmethod
     def _locate() -> int | None:
@@ -144,7 +144,7 @@ class _PythonGlobalState:
         for draws in (0, 1, 700):
             for _ in range(draws):
                 probe.random()
-            version, words, gauss = probe.getstate()
+            words = probe.getstate()[1]
             raw = ctypes.string_at(id(probe) + offset, 4 * (_MT_WORDS + 1))
             if raw[4:] + raw[:4] != _words_to_bytes(words):
                 return False

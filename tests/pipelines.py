@@ -35,7 +35,7 @@ class RandomCounter(SavableDataset[dict[str, Any]]):
         return {"type": "RandomCounter", "n": self.n, "uneven": self.uneven}
 
     def _positions(self) -> int:
-        worker_id, workers = _worker()
+        worker_id, _ = _worker()
         return self.n + 3 * worker_id if self.uneven else self.n
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -91,3 +91,42 @@ class Squares(Dataset[dict[str, Any]]):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return {"index": index, "square": index * index, "noise": torch.rand(2)}
+
+
+class StatefulCounter:
+    """An iterable following torch's Stateful protocol (state_dict/load_state_dict)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        worker_id, workers = _worker()
+        while self.pos < self.n:
+            index = self.pos
+            self.pos += 1
+            if index % workers == worker_id:
+                yield {"index": index, "noise": torch.rand(1)}
+        self.pos = 0
+
+
+class Stuck(RandomCounter):
+    """Hangs (in a sleep) on item ``stuck_at`` of worker 0, like a worker stuck on I/O."""
+
+    def __init__(self, n: int, stuck_at: int, seconds: float = 30.0) -> None:
+        super().__init__(n)
+        self.stuck_at = stuck_at
+        self.seconds = seconds
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        worker_id, _ = _worker()
+        for item in super().__iter__():
+            if worker_id == 0 and item["index"] == self.stuck_at:
+                time.sleep(self.seconds)
+            yield item

@@ -28,7 +28,7 @@ __all__ = ["SavableDataset"]
 T_co = TypeVar("T_co", covariant=True)
 
 
-class SavableDataset(IterableDataset[T_co], abc.ABC):  # type: ignore[misc]
+class SavableDataset(IterableDataset[T_co], abc.ABC):
     """An iterable dataset whose position can be saved and restored.
 
     State:

@@ -39,11 +39,10 @@ class StatefulDataset(SavableDataset[T_co]):
             and isinstance(obj, Iterable)
         ):
             raise ConfigError(
-                f"{type(obj).__name__} is not an iterable with state_dict() and "
-                "load_state_dict()"
+                f"{type(obj).__name__} is not an iterable with state_dict() and load_state_dict()"
             )
-        self.obj = obj
-        self._initial = copy.deepcopy(obj.state_dict())
+        self.obj: Any = obj
+        self._initial = copy.deepcopy(self.obj.state_dict())
 
     def config(self) -> dict[str, Any]:
         return {"type": "StatefulDataset", "of": f"{type(self.obj).__qualname__}"}

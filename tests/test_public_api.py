@@ -1,0 +1,37 @@
+"""The public surface is small and pinned."""
+
+from __future__ import annotations
+
+import savable_loader
+
+
+def test_all_is_sorted_and_pinned():
+    assert savable_loader.__all__ == sorted(savable_loader.__all__)
+    assert savable_loader.__all__ == [
+        "ConfigError",
+        "RankState",
+        "SavableDataLoader",
+        "SavableDataset",
+        "SavableLoaderError",
+        "StateError",
+        "StateFormatError",
+        "StateMismatchError",
+        "StorageError",
+        "WorkerConfig",
+        "WorkerContext",
+        "WorkerError",
+        "__version__",
+        "load_state",
+        "save_state",
+    ]
+    for name in savable_loader.__all__:
+        assert hasattr(savable_loader, name)
+
+
+def test_error_hierarchy():
+    errors = savable_loader
+    for error in (errors.StateError, errors.WorkerError, errors.StorageError, errors.ConfigError):
+        assert issubclass(error, errors.SavableLoaderError)
+    assert issubclass(errors.ConfigError, ValueError)
+    assert issubclass(errors.WorkerError, RuntimeError)
+    assert issubclass(errors.StateMismatchError, errors.StateError)

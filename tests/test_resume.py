@@ -1,0 +1,164 @@
+"""The resume-equivalence harness over the loader's configuration space (issue 2)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from pipelines import RandomCounter, SkippingCounter, Squares, StatefulCounter
+
+from savable_loader import SavableDataLoader
+from savable_loader.testing import assert_resumes_exactly
+
+slow = pytest.mark.slow
+
+
+def _build(dataset_factory, **kwargs):
+    return lambda: SavableDataLoader(dataset_factory(), **kwargs)
+
+
+@pytest.mark.parametrize("batch_size", [None, 1, 3])
+def test_no_workers(batch_size):
+    report = assert_resumes_exactly(
+        _build(lambda: RandomCounter(17, uneven=True), batch_size=batch_size, num_workers=0),
+        epochs=3,
+        num_points=10,
+    )
+    assert len(report.items_per_epoch) == 3
+    assert report.items_per_epoch[0] > 0
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "batch_size"),
+    [
+        (1, 2),
+        (2, None),
+        (2, 3),
+        pytest.param(1, None, marks=slow),
+        pytest.param(2, 1, marks=slow),
+        pytest.param(3, None, marks=slow),
+        pytest.param(3, 3, marks=slow),
+        pytest.param(4, 1, marks=slow),
+        pytest.param(4, 3, marks=slow),
+    ],
+)
+def test_workers_uneven_shards(num_workers, batch_size):
+    """Worker w's shard is longer than worker w-1's: workers end their epochs apart."""
+    assert_resumes_exactly(
+        _build(
+            lambda: RandomCounter(11, uneven=True), batch_size=batch_size, num_workers=num_workers
+        )
+    )
+
+
+@slow
+@pytest.mark.parametrize("prefetch_factor", [1, 2, 3, 4])
+def test_prefetch_factor(prefetch_factor):
+    assert_resumes_exactly(
+        _build(
+            lambda: RandomCounter(23),
+            batch_size=2,
+            num_workers=2,
+            prefetch_factor=prefetch_factor,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)]
+)
+def test_drop_last(num_workers):
+    report = assert_resumes_exactly(
+        _build(
+            lambda: RandomCounter(14, uneven=True),
+            batch_size=3,
+            num_workers=num_workers,
+            drop_last=True,
+        )
+    )
+    assert all(count > 0 for count in report.items_per_epoch)
+
+
+@slow
+def test_three_epochs_with_four_workers_and_many_points():
+    """Later epochs after a mid-epoch restore equal an uninterrupted run's."""
+    report = assert_resumes_exactly(
+        _build(lambda: RandomCounter(9, uneven=True), batch_size=2, num_workers=4),
+        epochs=3,
+        num_points=12,
+        chain_items=(1, 2, 5),
+    )
+    assert report.chains > 0
+
+
+def test_dataset_with_skip_fast_path():
+    assert_resumes_exactly(_build(lambda: SkippingCounter(40), batch_size=2, num_workers=2))
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "shuffle"),
+    [(0, True), (0, False), (2, True), pytest.param(3, False, marks=slow)],
+)
+def test_map_style_dataset(num_workers, shuffle):
+    assert_resumes_exactly(
+        _build(lambda: Squares(37), batch_size=4, num_workers=num_workers, shuffle=shuffle)
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_object(num_workers):
+    assert_resumes_exactly(
+        _build(lambda: StatefulCounter(15), batch_size=2, num_workers=num_workers)
+    )
+
+
+@slow
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_start_methods(method):
+    assert_resumes_exactly(
+        _build(
+            lambda: RandomCounter(9, uneven=True),
+            batch_size=2,
+            num_workers=2,
+            multiprocessing_context=method,
+        ),
+        points=[4, 13],
+        chain_items=(1,),
+        boundaries=False,
+    )
+
+
+@slow
+def test_pin_memory():
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*pin_memory.*no accelerator", category=UserWarning
+        )
+        assert_resumes_exactly(
+            _build(lambda: RandomCounter(12), batch_size=3, num_workers=2, pin_memory=True),
+            num_points=4,
+        )
+
+
+@slow
+def test_cheap_items_spaced_checkpoints_chain_before_every_worker_delivered():
+    """Cheap items: the ring's checkpoints are spaced, so restores replay; a second save
+    after one item (before the other workers delivered anything) must keep the replay
+    offsets of the workers that did not deliver."""
+
+    def build():
+        return SavableDataLoader(RandomCounter(150), batch_size=1, num_workers=3, prefetch_factor=4)
+
+    report = assert_resumes_exactly(
+        build, epochs=2, points=[1, 2, 50, 149, 151, 220], chain_items=(1, 2), boundaries=False
+    )
+    assert report.chains >= 6
+    loader = build()
+    try:
+        iterator = iter(loader)
+        for _ in range(100):
+            next(iterator)
+        state = loader.save_state_rank()
+    finally:
+        loader.close()
+    assert any(worker.replay > 0 for worker in state.workers), "checkpoints were not spaced"

@@ -1,0 +1,54 @@
+"""Pins the torch behaviour savable_loader relies on (NOTE [ Private torch names ])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from savable_loader import _torch_compat
+
+pytestmark = pytest.mark.slow
+
+
+class _Shard(IterableDataset):
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        return iter([(worker, i) for i in range(self.lengths[worker])])
+
+
+def test_round_robin_skips_ended_workers_and_every_epoch_starts_at_worker_zero():
+    loader = DataLoader(_Shard([1, 3, 2]), batch_size=None, num_workers=3, persistent_workers=True)
+    try:
+        for _ in range(2):  # the second epoch goes through _reset
+            assert list(loader) == [[0, 0], [1, 0], [2, 0], [1, 1], [2, 1], [1, 2]]
+    finally:
+        _torch_compat.drop_persistent_iterator(loader, loader._iterator)
+
+
+def test_persistent_iterator_can_be_dropped_and_its_workers_are_seen():
+    loader = DataLoader(_Shard([5, 5]), batch_size=None, num_workers=2, persistent_workers=True)
+    iterator = iter(loader)
+    next(iterator)
+    assert _torch_compat.worker_count(iterator) == 2
+    assert all(_torch_compat.worker_alive(iterator, w) for w in range(2))
+    _torch_compat.drop_persistent_iterator(loader, iterator)
+    assert loader._iterator is None
+    assert not any(_torch_compat.worker_alive(iterator, w) for w in range(2))
+    fresh = iter(loader)
+    assert fresh is not iterator
+    assert sorted(fresh) == [[w, i] for w in range(2) for i in range(5)]
+    _torch_compat.drop_persistent_iterator(loader, fresh)
+
+
+def test_base_seed_draws_from_the_loader_generator_not_the_global_one():
+    torch.manual_seed(3)
+    expected = torch.rand(1)
+    torch.manual_seed(3)
+    loader = DataLoader(_Shard([2]), batch_size=None, num_workers=0, generator=torch.Generator())
+    list(loader)
+    assert torch.equal(torch.rand(1), expected)
