@@ -1,12 +1,16 @@
 """The command channel between the loader and its worker processes.
 
 NOTE [ Command channel ]
-Each worker gets a command queue and a result queue, created from the loader's
-multiprocessing context before the workers start (so fork, forkserver and spawn all
-work: the queues travel with the dataset wrapper). A worker runs a daemon thread,
-:class:`CommandServer`, that answers requests while the worker's main thread produces
-items; handlers take only short locks, so an answer never waits for the item in
-progress. Requests carry ids; the loader discards answers to requests it gave up on.
+Each worker gets two one-way pipes, one for commands and one for answers, created from
+the loader's multiprocessing context before the workers start (so fork, forkserver and
+spawn all work: the pipes travel with the dataset wrapper). A worker runs a daemon
+thread, :class:`CommandServer`, that answers requests while the worker's main thread
+produces items; handlers take only short locks, so an answer never waits for the item
+in progress. Pipes rather than queues: the command thread writes its answer itself,
+where a queue would hand it to a feeder thread, a second wait for the GIL in a worker
+whose main thread is busy with Python code. For the same reason a worker lowers its GIL
+switch interval to 1 ms (from Python's 5 ms): it only matters when another thread asks
+for the GIL, which the command thread does only to answer. Requests carry ids; the loader discards answers to requests it gave up on.
 Every wait in :meth:`CommandChannel.request` has a deadline and checks, a few times a
 second, that the worker is alive: a dead or hung worker raises :class:`WorkerError`
 naming it, never hangs. Commands are a name plus plain arguments, so the set is open:
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 import traceback
@@ -43,8 +46,12 @@ class CommandChannel:
     """
 
     def __init__(self, context: Any, num_workers: int) -> None:
-        self.commands: list[Any] = [context.Queue() for _ in range(num_workers)]
-        self.results: list[Any] = [context.Queue() for _ in range(num_workers)]
+        commands = [context.Pipe(duplex=False) for _ in range(num_workers)]
+        results = [context.Pipe(duplex=False) for _ in range(num_workers)]
+        #: Per worker: (the worker's end to read commands, the loader's end to send them).
+        self.commands: list[tuple[Any, Any]] = commands
+        #: Per worker: (the loader's end to read answers, the worker's end to send them).
+        self.results: list[tuple[Any, Any]] = results
         self._ids = itertools.count(1)
         self._closed = False
 
@@ -70,8 +77,8 @@ class CommandChannel:
         if self._closed:
             raise WorkerError(f"cannot send {name!r}: the workers' command channel is closed")
         request_id = next(self._ids)
-        for commands, args in zip(self.commands, arguments, strict=True):
-            commands.put((request_id, name, args))
+        for (_, send), args in zip(self.commands, arguments, strict=True):
+            send.send((request_id, name, args))
         deadline = time.monotonic() + timeout
         return [
             self._await(worker_id, request_id, name, deadline, timeout, is_alive)
@@ -87,7 +94,7 @@ class CommandChannel:
         timeout: float,
         is_alive: Callable[[int], bool],
     ) -> Any:
-        results = self.results[worker_id]
+        results = self.results[worker_id][0]
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -95,9 +102,9 @@ class CommandChannel:
                     f"worker {worker_id} did not answer {name!r} within {timeout:g} s; it may "
                     "be hung (raise WorkerConfig(command_timeout=...) if it is only slow)"
                 )
-            try:
-                answer_id, ok, payload = results.get(timeout=min(_POLL_SECONDS, remaining))
-            except queue.Empty:
+            if results.poll(min(_POLL_SECONDS, remaining)):
+                answer_id, ok, payload = results.recv()
+            else:
                 if not is_alive(worker_id):
                     raise WorkerError(
                         f"worker {worker_id} died before answering {name!r}"
@@ -115,9 +122,9 @@ class CommandChannel:
         if self._closed:
             return
         self._closed = True
-        for q in (*self.commands, *self.results):
-            q.cancel_join_thread()
-            q.close()
+        for pair in (*self.commands, *self.results):
+            for connection in pair:
+                connection.close()
 
 
 class CommandServer:
@@ -129,16 +136,14 @@ class CommandServer:
     """
 
     def __init__(self, commands: Any, results: Any, handlers: dict[str, Handler]) -> None:
-        self._commands = commands
-        self._results = results
+        self._commands = commands[0]
+        self._results = results[1]
         self._handlers = handlers
         self._ready = threading.Event()
         self._failure: str | None = None
         self._thread = threading.Thread(
             target=self._serve, name="savable_loader-commands", daemon=True
         )
-        # Results must never keep a worker from exiting (NOTE [ Command channel ]).
-        self._results.cancel_join_thread()
 
     def start(self) -> None:
         self._thread.start()
@@ -153,7 +158,7 @@ class CommandServer:
     def _serve(self) -> None:
         while True:
             try:
-                request = self._commands.get()
+                request = self._commands.recv()
             except (EOFError, OSError):
                 return
             if request is None:
@@ -169,4 +174,7 @@ class CommandServer:
                 answer = (request_id, True, handler(arguments))
             except Exception:
                 answer = (request_id, False, traceback.format_exc())
-            self._results.put(answer)
+            try:
+                self._results.send(answer)
+            except (BrokenPipeError, OSError):
+                return

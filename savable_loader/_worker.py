@@ -19,10 +19,13 @@ whenever the budget covers the cost (measured in the thread's CPU time, so waits
 GIL do not count). Expensive items are therefore all checkpointed
 (a restore recomputes nothing) and cheap items are checkpointed every few
 milliseconds (a restore recomputes a few milliseconds of work). A checkpoint is always
-recorded at start-up and after an END. Retention is by sequence number: the consumer
-is at most ``prefetch_factor * num_workers + 1`` events behind a worker (torch's
-outstanding tasks plus the item in hand), so the ring keeps every checkpoint in that
-window plus the newest one before it. The ring's lock is held only to append or pick
+recorded at start-up and after an END. Retention is by sequence number: a worker
+produces an event only for a task, and torch keeps at most ``prefetch_factor *
+num_workers`` tasks in flight (the item in the user's hand is already counted as
+delivered), so the consumer is at most that many events behind a worker. The ring keeps
+every checkpoint within ``prefetch_factor * num_workers + 2`` events (a margin of two) of
+the newest, plus the newest one before that window. Should a save ever ask for an older
+position, the worker answers with an error, never with an approximate checkpoint. The ring's lock is held only to append or pick
 an entry, never while the dataset produces an item, so the command thread answers a
 save within an IPC round trip.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import statistics
+import sys
 import threading
 import time
 import traceback
@@ -58,6 +61,7 @@ ITEM, END, PLACEHOLDER = 0, 1, 2
 _SEED_PURPOSE = 0x5EED
 _MAX_BUDGET_CHECKPOINTS = 4
 _COST_WINDOW = 9
+_WORKER_SWITCH_INTERVAL = 0.001
 
 Event = tuple[int, int, int, Any]
 
@@ -309,7 +313,8 @@ class PipelineRuntime:
         began = time.thread_time()
         self._record(self._capture())
         self._costs.append(time.thread_time() - began)
-        self._cost = statistics.median(self._costs)
+        costs = sorted(self._costs)
+        self._cost = costs[len(costs) // 2]
         self.checkpoints_taken += 1
 
     def _maybe_checkpoint(self, elapsed: float) -> None:
@@ -415,6 +420,9 @@ class WorkerWrapper(IterableDataset[Event]):
         channel = self.spec.channel
         if channel is None:
             return PipelineRuntime(self.spec, info.id, in_main=False)
+        # NOTE [ Command channel ] in _commands.py: a command thread waits for the GIL at
+        # most this long while the worker runs Python code (default 5 ms).
+        sys.setswitchinterval(min(sys.getswitchinterval(), _WORKER_SWITCH_INTERVAL))
         holder: list[PipelineRuntime] = []
         server = CommandServer(
             channel.commands[info.id],

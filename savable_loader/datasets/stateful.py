@@ -33,6 +33,7 @@ class StatefulDataset(SavableDataset[T_co]):
     """
 
     def __init__(self, obj: Any) -> None:
+        self.obj: Any = obj
         if not (
             callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None))
@@ -41,7 +42,6 @@ class StatefulDataset(SavableDataset[T_co]):
             raise ConfigError(
                 f"{type(obj).__name__} is not an iterable with state_dict() and load_state_dict()"
             )
-        self.obj: Any = obj
         self._initial = copy.deepcopy(self.obj.state_dict())
 
     def config(self) -> dict[str, Any]:
