@@ -10,7 +10,8 @@ in progress. Pipes rather than queues: the command thread writes its answer itse
 where a queue would hand it to a feeder thread, a second wait for the GIL in a worker
 whose main thread is busy with Python code. For the same reason a worker lowers its GIL
 switch interval to 1 ms (from Python's 5 ms): it only matters when another thread asks
-for the GIL, which the command thread does only to answer. Requests carry ids; the loader discards answers to requests it gave up on.
+for the GIL, which the command thread does only to answer. Requests carry ids; the
+loader discards answers to requests it gave up on.
 Every wait in :meth:`CommandChannel.request` has a deadline and checks, a few times a
 second, that the worker is alive: a dead or hung worker raises :class:`WorkerError`
 naming it, never hangs. Commands are a name plus plain arguments, so the set is open:

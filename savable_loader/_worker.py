@@ -25,9 +25,9 @@ num_workers`` tasks in flight (the item in the user's hand is already counted as
 delivered), so the consumer is at most that many events behind a worker. The ring keeps
 every checkpoint within ``prefetch_factor * num_workers + 2`` events (a margin of two) of
 the newest, plus the newest one before that window. Should a save ever ask for an older
-position, the worker answers with an error, never with an approximate checkpoint. The ring's lock is held only to append or pick
-an entry, never while the dataset produces an item, so the command thread answers a
-save within an IPC round trip.
+position, the worker answers with an error, never with an approximate checkpoint. The
+ring's lock is held only to append or pick an entry, never while the dataset produces an
+item, so the command thread answers a save within an IPC round trip.
 """
 
 from __future__ import annotations
