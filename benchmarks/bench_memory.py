@@ -105,6 +105,7 @@ def main() -> None:
         rows=rows,
         notes=notes,
         samples=samples,
+        write=not args.quick,
     )
 
 

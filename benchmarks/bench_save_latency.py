@@ -152,6 +152,7 @@ def main() -> None:
         rows=rows,
         notes=notes,
         samples=samples,
+        write=not args.quick,
     )
 
 

@@ -4,14 +4,15 @@ alternating timer and a result writer.
 NOTE [ Item cost ]
 An item's cost is emulated with real CPU work: BLAKE2b over a fixed 512-byte buffer,
 repeated ``units`` times. ``calibrate()`` measures, in the main process, what one
-repetition costs (median of several trials of a ~20 ms burst) and ``units_for(us)``
-converts a cost in microseconds to repetitions. The buffer is below hashlib's 2 KiB
-threshold, so every call keeps the GIL, like a pure-Python transform: the worst case for
-a worker's command thread, which must win the GIL to answer a save. Sleeping or spinning
-on ``time.perf_counter`` is not used: on the Firecracker VM the benchmarks were written
-on, both made everything that ran after them pathologically slow. The calibrated cost is
-nominal (the VM's speed drifts); both loaders of a comparison run the same repetitions,
-so the ratios do not depend on it.
+repetition costs (the fastest of 15 bursts of ~20 ms: the speed when nothing else
+competed) and ``units_for(us)`` converts a cost in microseconds to repetitions. The
+buffer is below hashlib's 2 KiB threshold, so every call keeps the GIL, like a
+pure-Python transform: the worst case for a worker's command thread, which must win the
+GIL to answer a save. Items do not sleep or spin on ``time.perf_counter``: on the
+Firecracker VM these benchmarks were developed on, both were found to make everything
+that ran after them pathologically slow (only the save latency benchmark also sleeps,
+last). The calibrated cost is nominal, since the VM's speed drifts; both loaders of a
+comparison run the same repetitions, so the ratios do not depend on it.
 
 NOTE [ Alternation ]
 A comparison measures each loader once per round, alternating the order every round
@@ -75,8 +76,10 @@ def burn(units: int) -> None:
         hashlib.blake2b(BUFFER).digest()
 
 
-def calibrate(trials: int = 9, burst_s: float = 0.02) -> float:
-    """Measures one repetition of :func:`burn` in microseconds (median of ``trials``)."""
+def calibrate(trials: int = 15, burst_s: float = 0.02) -> float:
+    """Measures one repetition of :func:`burn` in microseconds: the fastest of ``trials``
+    bursts of about ``burst_s`` seconds, i.e. the machine's speed when nothing else
+    competed (other jobs only ever slow a burst down)."""
     global _unit_us
     probe = 1000
     began = time.perf_counter()
@@ -88,7 +91,7 @@ def calibrate(trials: int = 9, burst_s: float = 0.02) -> float:
         began = time.perf_counter()
         burn(probe)
         samples.append((time.perf_counter() - began) / probe * 1e6)
-    _unit_us = statistics.median(samples)
+    _unit_us = min(samples)
     return _unit_us
 
 
@@ -252,6 +255,23 @@ def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> 
     return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
 
 
+def bootstrap_ci(
+    values: Sequence[float], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A percentile bootstrap confidence interval for the median of ``values``.
+
+    Seeded, so a given set of samples always gives the same interval; it uses its own
+    generator and leaves the global ones alone.
+    """
+    generator = random.Random(seed)
+    medians = sorted(
+        statistics.median(generator.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    low = medians[int((1 - level) / 2 * resamples)]
+    high = medians[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return low, high
+
+
 # -- results -------------------------------------------------------------------------------
 
 
@@ -322,13 +342,19 @@ def write_results(
     rows: Sequence[dict[str, Any]],
     notes: Sequence[str] = (),
     samples: dict[str, Any] | None = None,
-) -> tuple[Path, Path]:
-    """Writes ``results/<bench>.json`` and ``results/<bench>.md``; prints the table."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    command: str | None = None,
+    write: bool = True,
+) -> tuple[Path, Path] | None:
+    """Prints the table; writes ``results/<bench>.json`` and ``results/<bench>.md``.
+
+    ``write=False`` (``--quick`` runs) only prints, so a smoke run never replaces the
+    committed results.
+    """
     machine = machine_info()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     payload = {
         "bench": bench,
+        "command": command or f"python benchmarks/{bench}.py",
         "title": title,
         "date": when,
         "machine": machine,
@@ -339,15 +365,23 @@ def write_results(
         "noise": NOISE_NOTE,
         "samples": samples or {},
     }
+    table = format_table(columns, rows)
+    print()
+    print(table)
+    for note in notes:
+        print(f"- {note}")
+    if not write:
+        print("\nquick run: results not written")
+        return None
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS_DIR / f"{bench}.json"
     md_path = RESULTS_DIR / f"{bench}.md"
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    table = format_table(columns, rows)
     machine_line = ", ".join(f"{key}={value}" for key, value in machine.items())
     parts = [
         f"# {title}",
         "",
-        f"Generated by `python benchmarks/{bench}.py` on {when}.",
+        f"Generated by `{command or f'python benchmarks/{bench}.py'}` on {when}.",
         "",
         table,
         "",
@@ -361,9 +395,5 @@ def write_results(
         "",
     ]
     md_path.write_text("\n".join(parts))
-    print()
-    print(table)
-    for note in notes:
-        print(f"- {note}")
     print(f"\nwrote {json_path} and {md_path}")
     return json_path, md_path
