@@ -42,7 +42,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """Ruff lint and format check."""
-    session.install("ruff")
+    session.install("ruff==0.17.6")
     paths = [path for path in LINT_PATHS if Path(path).exists()]
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)

@@ -14,7 +14,8 @@ saved next worker, in the first epoch after a restore; see NOTE [ Worker order ]
 NOTE [ Checkpoint policy ]
 After producing an event, the worker may record a checkpoint (dataset state and its
 three global generators) in a ring. It measures what a checkpoint costs and earns a
-budget of ``checkpoint_share`` of the time spent producing events; it records one
+budget of ``checkpoint_share`` of its wall time between events (producing the event,
+handing the previous one to torch, waiting for the task); it records one
 whenever the budget covers the cost (measured in the thread's CPU time, so waits for the
 GIL do not count). Expensive items are therefore all checkpointed
 (a restore recomputes nothing) and cheap items are checkpointed every few
@@ -232,11 +233,14 @@ class PipelineRuntime:
     def _run(self, source: Iterator[Any], *, placeholder: bool) -> Iterator[Event]:
         if placeholder:
             yield (self.worker_id, -1, PLACEHOLDER, None)
+        mark = time.perf_counter()
         while True:
-            began = time.perf_counter()
             with self._generators():
                 item = next(source, _END_OF_SOURCE)
-            elapsed = time.perf_counter() - began
+            now = time.perf_counter()
+            # Worker time since the previous event: producing this one, plus torch
+            # sending the previous one and waiting for this task.
+            elapsed, mark = now - mark, now
             seq = self.seq
             self.seq += 1
             if item is _END_OF_SOURCE:
