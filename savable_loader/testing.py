@@ -119,21 +119,11 @@ def assert_resumes_exactly(
         plain_before = point.state.to_plain()
         state = roundtrip(point.state)
         expected = _expected_after(reference, point)
-        loader = build()
-        try:
-            loader.restore_state_rank(state)
-            _consume(loader, expected, point.label)
-            if number == 0:
-                twin = build()
-                try:
-                    twin.restore_state_rank(state)
-                    _consume(twin, expected, f"{point.label} (same state restored again)")
-                finally:
-                    twin.close()
-            if state.to_plain() != plain_before or point.state.to_plain() != plain_before:
-                raise ResumeMismatch(f"{point.label}: restoring changed the state object")
-        finally:
-            loader.close()
+        _resume(build, state, expected, point.label)
+        if number == 0:
+            _resume(build, state, expected, f"{point.label} (same state restored again)")
+        if state.to_plain() != plain_before or point.state.to_plain() != plain_before:
+            raise ResumeMismatch(f"{point.label}: restoring changed the state object")
         report.save_points.append(point.label)
         for count in chain_items:
             if _check_chain(build, state, expected, count, point.label):
@@ -203,13 +193,24 @@ def _expected_after(reference: list[list[str]], point: _Point) -> list[list[str]
     return [rest] + [list(items) for items in reference[point.epoch + 1 :]]
 
 
-def _consume(loader: SavableDataLoader, expected: list[list[str]], label: str) -> list[list[str]]:
-    got: list[list[str]] = []
+def _resume(
+    build: Callable[[], SavableDataLoader],
+    state: RankState,
+    expected: list[list[str]],
+    label: str,
+) -> None:
+    """Restores ``state`` into a fresh loader and checks it yields ``expected``."""
+    loader = build()
+    try:
+        loader.restore_state_rank(state)
+        _consume(loader, expected, label)
+    finally:
+        loader.close()
+
+
+def _consume(loader: SavableDataLoader, expected: list[list[str]], label: str) -> None:
     for epoch_number, want in enumerate(expected):
-        items = [digest(item) for item in loader]
-        got.append(items)
-        _compare(want, items, label, epoch_number)
-    return got
+        _compare(want, [digest(item) for item in loader], label, epoch_number)
 
 
 def _compare(want: list[str], got: list[str], label: str, epoch_number: int) -> None:
@@ -246,12 +247,7 @@ def _check_chain(
     finally:
         first.close()
     tail = [expected[0][count:], *expected[1:]]
-    second = build()
-    try:
-        second.restore_state_rank(again)
-        _consume(second, tail, f"{label}, then {count} items, saved and restored again")
-    finally:
-        second.close()
+    _resume(build, again, tail, f"{label}, then {count} items, saved and restored again")
     return True
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 from pipelines import RandomCounter, SkippingCounter, Squares, StatefulCounter
 
-from savable_loader import SavableDataLoader
-from savable_loader.testing import assert_resumes_exactly
+from savable_loader import SavableDataLoader, WorkerConfig
+from savable_loader.testing import ResumeMismatch, assert_resumes_exactly
 
 slow = pytest.mark.slow
 
@@ -162,3 +163,51 @@ def test_cheap_items_spaced_checkpoints_chain_before_every_worker_delivered():
     finally:
         loader.close()
     assert any(worker.replay > 0 for worker in state.workers), "checkpoints were not spaced"
+
+
+class ForgetsItsPosition(RandomCounter):
+    """A broken dataset: its state leaves out where it stands in the epoch."""
+
+    def save_state(self):
+        return {"pos": 0, "epoch": self.epoch}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_harness_catches_a_dataset_that_forgets_its_position(num_workers):
+    # Every event checkpointed, so restores use the dataset's own (broken) state rather
+    # than replaying from a start-of-epoch checkpoint, where position 0 happens to be right.
+    every_event = WorkerConfig(checkpoint_share=1.0)
+    with pytest.raises(ResumeMismatch, match=r"differs at item|items, expected"):
+        assert_resumes_exactly(
+            _build(
+                lambda: ForgetsItsPosition(12, cost=0.002),
+                batch_size=2,
+                num_workers=num_workers,
+                worker_config=every_event,
+            ),
+            points=[3],
+            chain_items=(),
+            boundaries=False,
+        )
+
+
+class OwnGeneratorNotSaved(RandomCounter):
+    """A broken dataset: it draws from its own generator and leaves it out of its state."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.generator = np.random.default_rng(5)
+
+    def __iter__(self):
+        for item in super().__iter__():
+            yield {**item, "own": float(self.generator.random())}
+
+
+def test_harness_catches_a_generator_left_out_of_the_state():
+    with pytest.raises(ResumeMismatch):
+        assert_resumes_exactly(
+            _build(lambda: OwnGeneratorNotSaved(12), batch_size=2, num_workers=0),
+            points=[3],
+            chain_items=(),
+            boundaries=False,
+        )
