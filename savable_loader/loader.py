@@ -275,7 +275,7 @@ class SavableDataLoader(DataLoader[Any]):
         self._stream = super().__iter__()
         self._stream_done = False
 
-    def _next(self, iterator: _LoaderIterator) -> Any:
+    def _next(self) -> Any:
         while True:
             if self._stream is None:
                 if self._book.all_ended():
@@ -536,7 +536,7 @@ class _LoaderIterator(Iterator[Any]):
         if self._done:
             raise StopIteration
         try:
-            return self._loader._next(self)
+            return self._loader._next()
         except StopIteration:
             self._done = True
             raise
