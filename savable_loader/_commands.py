@@ -103,8 +103,16 @@ class CommandChannel:
                     f"worker {worker_id} did not answer {name!r} within {timeout:g} s; it may "
                     "be hung (raise WorkerConfig(command_timeout=...) if it is only slow)"
                 )
-            if results.poll(min(_POLL_SECONDS, remaining)):
-                answer_id, ok, payload = results.recv()
+            try:
+                ready = results.poll(min(_POLL_SECONDS, remaining))
+                answer = results.recv() if ready else None
+            except (EOFError, OSError) as error:
+                raise WorkerError(
+                    f"worker {worker_id}'s command channel broke before it answered {name!r} "
+                    f"({error!r}); the worker probably died"
+                ) from error
+            if answer is not None:
+                answer_id, ok, payload = answer
             else:
                 if not is_alive(worker_id):
                     raise WorkerError(
