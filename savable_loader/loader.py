@@ -33,14 +33,14 @@ from the restored position (or stops, if the state lies between epochs).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import _torch_compat
+from . import _torch_compat, distributed
 from ._commands import CommandChannel
 from ._version import __version__
 from ._worker import END, PLACEHOLDER, RuntimeSpec, WorkerStart, WorkerWrapper
@@ -293,7 +293,9 @@ class SavableDataLoader(DataLoader[Any]):
                         "not report their end; please report"
                     ) from None
                 raise
-            except RuntimeError as error:
+            except Exception as error:
+                # Whatever surfaces when a worker dies (torch's RuntimeError, a reset
+                # connection while fetching a tensor it shared) becomes a WorkerError.
                 self._raise_if_workers_died(error, "while producing items")
                 raise
             if kind == PLACEHOLDER:
@@ -401,7 +403,7 @@ class SavableDataLoader(DataLoader[Any]):
                 timeout=self.worker_config.command_timeout,
                 is_alive=lambda w: _torch_compat.worker_alive(stream, w),
             )
-        except RuntimeError as error:  # WorkerError included
+        except (RuntimeError, OSError, EOFError) as error:  # WorkerError included
             # A dead worker stops the stream; a hung one is left to close(), which may
             # need torch's join timeout to end it, so the error comes without delay.
             self._raise_if_workers_died(error, "during a save")
@@ -453,6 +455,34 @@ class SavableDataLoader(DataLoader[Any]):
         self._stop_stream()
         self._book = _Book.of(state)
         self._resume = [worker.checkpoint for worker in state.workers]
+
+    def save_state_global(self, global_dst_rank: int = 0) -> list[RankState] | None:
+        """Gathers every rank's state on ``global_dst_rank``: a collective, every rank calls it.
+
+        Returns:
+            On ``global_dst_rank``, one state per rank of the loader's data-parallel group,
+            in rank order; None on the other ranks.
+
+        Raises:
+            WorkerError: Saving failed on some rank; every rank raises, naming it.
+        """
+        return distributed.save_state_global(self, global_dst_rank)
+
+    def restore_state_global(
+        self,
+        states: Sequence[RankState | dict[str, Any]] | None,
+        src_rank: int | None = None,
+    ) -> None:
+        """Restores every rank from the list :meth:`save_state_global` returned.
+
+        Either every rank passes the full list (``src_rank=None``), or only ``src_rank``
+        (a rank within the data-parallel group) does and each rank receives its own entry.
+
+        Raises:
+            StateError: The list does not fit this job (world size, pipeline, ...); every
+                rank raises.
+        """
+        distributed.restore_state_global(self, states, src_rank)
 
     def state_dict(self) -> dict[str, Any]:
         """Returns :meth:`save_state_rank` as plain data (for ``torch.distributed.checkpoint``)."""

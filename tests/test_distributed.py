@@ -1,0 +1,298 @@
+"""save_state_global / restore_state_global over real process groups (gloo, 2 and 3 ranks).
+
+Each job starts one spawned process per rank; ranks report through a queue and the parent
+asserts. The helpers below live at module level so that spawned children can import them
+(pytest puts ``tests/`` on ``sys.path``, and spawn hands ``sys.path`` to the children).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue as queue_module
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 2
+DATA = list(range(40))
+#: Batches consumed before the global save: mid-epoch 0 with 2 ranks, into epoch 1 with 3.
+SAVE_AFTER = {2: 3, 3: 9}
+JOB_TIMEOUT = 60.0
+
+
+# -- what runs in each rank ----------------------------------------------------------------
+
+
+def _loader() -> Any:
+    from savable_loader import SavableDataLoader
+
+    return SavableDataLoader(DATA, batch_size=2, num_workers=2, seed=0)
+
+
+def _batches(loader: Any, epochs: int) -> Iterator[list[int]]:
+    for _ in range(epochs):
+        for batch in loader:
+            yield batch.tolist()
+
+
+def _remaining(loader: Any) -> list[list[int]]:
+    state = loader.save_state_rank()
+    epochs = EPOCHS - state.epoch - (1 if state.between_epochs else 0)
+    return list(_batches(loader, epochs))
+
+
+def _outcome(call: Any) -> tuple[str, str, float]:
+    began = time.monotonic()
+    try:
+        call()
+    except Exception as error:
+        return type(error).__name__, str(error), time.monotonic() - began
+    return "ok", "", time.monotonic() - began
+
+
+def _job_save(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    from savable_loader import save_state
+
+    reference = _loader()
+    ref = list(_batches(reference, EPOCHS))
+    reference.close()
+    loader = _loader()
+    stream = _batches(loader, EPOCHS)
+    head = [next(stream) for _ in range(SAVE_AFTER[world_size])]
+    states = loader.save_state_global(global_dst_rank=0)
+    loader.close()
+    if states is not None:
+        assert [state.rank for state in states] == list(range(world_size))
+        save_state(states, tmp / f"states{world_size}.msgpack")
+    return {"ref": ref, "head": head, "received": states is not None}
+
+
+def _job_restore(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    from savable_loader import load_state
+
+    result: dict[str, Any] = {}
+    if world_size == 3:  # a 2-rank state into this 3-rank job, both ways
+        other = tmp / "states2.msgpack"
+        for mode, src in (("full", None), ("src", 0)):
+            loader = _loader()
+            states = load_state(other) if src is None or rank == src else None
+            result[f"mismatch_{mode}"] = _outcome(
+                lambda: loader.restore_state_global(states, src_rank=src)  # noqa: B023
+            )
+            loader.close()
+    path = tmp / f"states{world_size}.msgpack"
+    for mode, src in (("full", None), ("src", 0)):
+        loader = _loader()
+        states = load_state(path) if src is None or rank == src else None
+        loader.restore_state_global(states, src_rank=src)
+        result[mode] = _remaining(loader)
+        loader.close()
+    return result
+
+
+def _job_kill(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    loader = _loader()
+    try:
+        stream = _batches(loader, EPOCHS)
+        next(stream)
+        dist.barrier()
+        if rank == world_size - 1:
+            os.kill(loader.worker_stats()[0]["pid"], signal.SIGKILL)
+            time.sleep(0.2)
+        outcome = _outcome(lambda: loader.save_state_global(global_dst_rank=0))
+    finally:
+        loader.close()
+    return {"save": outcome}
+
+
+_JOBS = {"save": _job_save, "restore": _job_restore, "kill": _job_kill}
+
+
+def _run_rank(rank: int, world_size: int, port: int, job: str, tmp: str, queue: Any) -> None:
+    import torch.distributed as dist
+
+    # Workers start as in a job launched by torchrun: forked (spawn would start each one
+    # as a fresh interpreter importing torch, seconds per loader).
+    multiprocessing.set_start_method("fork", force=True)
+    if job == "kill":
+        # SIGCHLD is blocked in every thread (gloo's included, hence before the process
+        # group starts them) so that torch's SIGCHLD handler does not raise first: the
+        # save's own liveness check must find the dead worker.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            queue.put((rank, "ok", _JOBS[job](rank, world_size, Path(tmp))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+# -- the parent ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(world_size: int, job: str, tmp: Path) -> list[dict[str, Any]]:
+    """Runs ``job`` on ``world_size`` spawned ranks; returns each rank's report."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_run_rank, args=(rank, world_size, port, job, str(tmp), queue))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    reports: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + JOB_TIMEOUT
+    try:
+        while len(reports) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                if not any(process.is_alive() for process in processes):
+                    break
+                continue
+            reports[rank] = (status, payload)
+    finally:
+        for process in processes:
+            process.join(timeout=max(deadline - time.monotonic(), 5.0))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5.0)
+        queue.close()
+    errors = {rank: payload for rank, (status, payload) in reports.items() if status != "ok"}
+    assert not errors, f"{job} on {world_size} ranks failed: {errors}"
+    missing = sorted(set(range(world_size)) - set(reports))
+    assert not missing, f"{job} on {world_size} ranks: ranks {missing} did not report in time"
+    return [reports[rank][1] for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("distributed")
+
+
+_RUNS: dict[tuple[int, str], list[dict[str, Any]]] = {}
+
+
+def _run(world_size: int, job: str, tmp: Path) -> list[dict[str, Any]]:
+    """Runs a job once per module (later tests reuse its reports)."""
+    if (world_size, job) not in _RUNS:
+        if job == "restore":
+            _run(world_size, "save", tmp)
+            if world_size == 3:
+                _run(2, "save", tmp)
+        _RUNS[world_size, job] = _launch(world_size, job, tmp)
+    return _RUNS[world_size, job]
+
+
+# -- the tests -----------------------------------------------------------------------------
+
+
+def test_without_torch_distributed_a_single_rank_saves_and_restores() -> None:
+    from savable_loader import StateMismatchError
+
+    loader = _loader()
+    try:
+        stream = _batches(loader, EPOCHS)
+        head = [next(stream) for _ in range(3)]
+        states = loader.save_state_global()
+        assert states is not None
+        assert [state.rank for state in states] == [0]
+        rest = list(stream)
+    finally:
+        loader.close()
+    restored = _loader()
+    try:
+        with pytest.raises(StateMismatchError, match=r"world_size was 2 .* is 1 now"):
+            restored.restore_state_global(states * 2)
+        restored.restore_state_global([states[0].to_plain()], src_rank=0)
+        assert head + _remaining(restored) == head + rest
+        assert len(head + rest) == EPOCHS * len(DATA) // 2
+    finally:
+        restored.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_global_save_gathers_on_rank_0_only(world_size: int, state_dir: Path) -> None:
+    saved = _run(world_size, "save", state_dir)
+    assert [report["received"] for report in saved] == [True] + [False] * (world_size - 1)
+    for report in saved:
+        assert report["head"] == report["ref"][: SAVE_AFTER[world_size]]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_see_disjoint_data_each_epoch(world_size: int, state_dir: Path) -> None:
+    saved = _run(world_size, "save", state_dir)
+    for epoch in range(EPOCHS):
+        seen: list[set[int]] = []
+        for report in saved:
+            items = [item for batch in report["ref"] for item in batch]
+            per_epoch = len(items) // EPOCHS
+            seen.append(set(items[epoch * per_epoch : (epoch + 1) * per_epoch]))
+        for a in range(world_size):
+            for b in range(a + 1, world_size):
+                assert not seen[a] & seen[b], f"ranks {a} and {b} share items in epoch {epoch}"
+        assert set().union(*seen) == set(DATA)
+
+
+@pytest.mark.parametrize("mode", ["full", "src"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_restored_ranks_continue_their_uninterrupted_streams(
+    world_size: int, mode: str, state_dir: Path
+) -> None:
+    saved = _run(world_size, "save", state_dir)
+    restored = _run(world_size, "restore", state_dir)
+    k = SAVE_AFTER[world_size]
+    for rank, (before, after) in enumerate(zip(saved, restored, strict=True)):
+        assert after[mode] == before["ref"][k:], f"rank {rank} ({mode}) diverged"
+        assert before["head"] + after[mode] == before["ref"]
+
+
+@pytest.mark.parametrize("mode", ["full", "src"])
+def test_two_rank_state_into_three_ranks_raises_on_every_rank(mode: str, state_dir: Path) -> None:
+    restored = _run(3, "restore", state_dir)
+    for rank, report in enumerate(restored):
+        name, text, elapsed = report[f"mismatch_{mode}"]
+        assert name == "StateMismatchError", f"rank {rank}: {name}: {text}"
+        assert "world_size was 2" in text
+        assert "is 3 now" in text
+        assert elapsed < 20
+
+
+def test_dead_worker_during_global_save_raises_worker_error_on_every_rank(
+    state_dir: Path,
+) -> None:
+    reports = _launch(2, "kill", state_dir)
+    for rank, report in enumerate(reports):
+        name, text, elapsed = report["save"]
+        assert name == "WorkerError", f"rank {rank}: {name}: {text}"
+        assert "failed on rank(s) [1]" in text
+        assert "died during a save" in text
+        assert elapsed < 30
