@@ -22,6 +22,15 @@ training loop makes from ``random``, ``numpy.random`` or torch between batches c
 nothing in the data stream, and a restore is exact without restoring the trainer's
 generators. A save captures the pipeline's state on the spot: there is no prefetch.
 
+NOTE [ state_dict for checkpoints ]
+``torch.distributed.checkpoint`` loads in place: it asks a fresh loader for its
+``state_dict()`` and fills the same keys from the checkpoint, so the key structure must
+not depend on where the stream is (a worker's checkpoint is None before it starts).
+It also keeps one copy of a non-tensor value per key across ranks, so ranks must not
+share a key. Hence one key per data-parallel rank holding the encoded state as bytes:
+ranks with the same data-parallel rank (tensor-parallel peers) yield the same stream, so
+one copy of their states serves them all.
+
 NOTE [ Iterators continue the stream ]
 Every iterator of a loader reads the same stream. ``iter(loader)`` starts a new epoch
 only when the previous one ended (StopIteration); an epoch left half-read (a ``break``)
@@ -48,8 +57,15 @@ from .config import WorkerConfig, WorkerContext
 from .datasets.base import SavableDataset
 from .datasets.indexed import IndexedDataset
 from .datasets.stateful import StatefulDataset
-from .errors import ConfigError, SavableLoaderError, StateMismatchError, WorkerError
+from .errors import (
+    ConfigError,
+    SavableLoaderError,
+    StateFormatError,
+    StateMismatchError,
+    WorkerError,
+)
 from .rng import derive_seed
+from .state.files import decode_state, encode_state
 from .state.fingerprint import fingerprint
 from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState
 
@@ -62,6 +78,11 @@ _BASE_SEED_PURPOSE = 0xBA5E
 
 def _identity(event: Any) -> Any:
     return event
+
+
+def _state_key(rank: int) -> str:
+    """The key of a rank's entry in :meth:`SavableDataLoader.state_dict`."""
+    return f"rank_{rank}"
 
 
 @dataclass
@@ -484,13 +505,45 @@ class SavableDataLoader(DataLoader[Any]):
         """
         distributed.restore_state_global(self, states, src_rank)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Returns :meth:`save_state_rank` as plain data (for ``torch.distributed.checkpoint``)."""
-        return self.save_state_rank().to_plain()
+    def state_dict(self) -> dict[str, bytes]:
+        """Returns this rank's state for ``torch.distributed.checkpoint`` or ``torch.save``.
+
+        The result is ``{"rank_<r>": <encoded state>}``: one key per data-parallel rank,
+        whose value is :meth:`save_state_rank` encoded as a state file's bytes (msgpack
+        behind a checked header). See NOTE [ state_dict for checkpoints ].
+        """
+        return {_state_key(self.rank): encode_state(self.save_state_rank())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores what :meth:`state_dict` returned."""
-        self.restore_state_rank(RankState.from_plain(state_dict))
+        """Restores what :meth:`state_dict` returned (or a plain ``RankState`` dict).
+
+        Raises:
+            StateError: The state is malformed, holds no entry for this rank, or was
+                saved by an incompatible loader.
+        """
+        if not isinstance(state_dict, dict):
+            raise StateFormatError(
+                f"load_state_dict takes the dict state_dict() returned, got "
+                f"{type(state_dict).__name__}"
+            )
+        if "format_version" in state_dict:
+            self.restore_state_rank(RankState.from_plain(state_dict))
+            return
+        key = _state_key(self.rank)
+        if key not in state_dict:
+            saved = sorted(k for k in state_dict if isinstance(k, str) and k.startswith("rank_"))
+            raise StateMismatchError(
+                f"cannot restore: the state holds {saved or 'no rank entries'} and this loader "
+                f"is rank {self.rank} of {self.world_size}; restore each rank from a checkpoint "
+                "saved with the same number of ranks"
+            )
+        state = decode_state(state_dict[key])
+        if not isinstance(state, RankState):
+            raise StateFormatError(
+                f"the entry {key!r} holds a list of rank states; pass such a list to "
+                "restore_state_global()"
+            )
+        self.restore_state_rank(state)
 
     def _check_compatible(self, state: RankState) -> None:
         checks = [

@@ -117,7 +117,77 @@ def _job_kill(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     return {"save": outcome}
 
 
-_JOBS = {"save": _job_save, "restore": _job_restore, "kill": _job_kill}
+def _job_dcp(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    """The loader next to a model in a torch.distributed.checkpoint, saved mid-epoch."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    reference = _loader()
+    ref = list(_batches(reference, EPOCHS))
+    reference.close()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    loader = _loader()
+    stream = _batches(loader, EPOCHS)
+    head = [next(stream) for _ in range(SAVE_AFTER[world_size])]
+    dcp.save({"model": model.state_dict(), "loader": loader}, checkpoint_id=str(tmp / "dcp"))
+    loader.close()
+    restored_model = torch.nn.Linear(3, 2)
+    restored = _loader()
+    target = {"model": restored_model.state_dict(), "loader": restored}
+    dcp.load(target, checkpoint_id=str(tmp / "dcp"))
+    restored_model.load_state_dict(target["model"])
+    rest = _remaining(restored)
+    restored.close()
+    same_model = all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), restored_model.state_dict().values())
+    )
+    return {"ref": ref, "head": head, "rest": rest, "model": same_model}
+
+
+#: Four ranks as two tensor-parallel pairs: data-parallel groups {0, 2} and {1, 3}, so
+#: ranks 0 and 1 (data-parallel rank 0) read the same stream, as do ranks 2 and 3.
+_GROUPS = ([0, 2], [1, 3])
+
+
+def _job_groups(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from savable_loader import SavableDataLoader, WorkerConfig
+
+    groups = [dist.new_group(members) for members in _GROUPS]
+    index = 0 if rank in _GROUPS[0] else 1
+    members = _GROUPS[index]
+
+    def make() -> Any:
+        config = WorkerConfig(data_parallel_group=groups[index])
+        return SavableDataLoader(DATA, batch_size=2, num_workers=1, seed=0, worker_config=config)
+
+    reference = make()
+    ref = list(_batches(reference, EPOCHS))
+    reference.close()
+    loader = make()
+    stream = _batches(loader, EPOCHS)
+    head = [next(stream) for _ in range(3)]
+    layout = (loader.rank, loader.world_size)
+    states = loader.save_state_global(global_dst_rank=members[1])
+    loader.close()
+    received = states is not None
+    restored = make()
+    restored.restore_state_global(states, src_rank=1)
+    rest = _remaining(restored)
+    restored.close()
+    return {"ref": ref, "head": head, "rest": rest, "layout": layout, "received": received}
+
+
+_JOBS = {
+    "save": _job_save,
+    "restore": _job_restore,
+    "kill": _job_kill,
+    "dcp": _job_dcp,
+    "groups": _job_groups,
+}
 
 
 def _run_rank(rank: int, world_size: int, port: int, job: str, tmp: str, queue: Any) -> None:
@@ -296,3 +366,29 @@ def test_dead_worker_during_global_save_raises_worker_error_on_every_rank(
         assert "failed on rank(s) [1]" in text
         assert "died during a save" in text
         assert elapsed < 30
+
+
+def test_torch_distributed_checkpoint_round_trips_on_two_ranks(state_dir: Path) -> None:
+    reports = _launch(2, "dcp", state_dir)
+    k = SAVE_AFTER[2]
+    for rank, report in enumerate(reports):
+        assert report["model"], f"rank {rank}: the model did not round-trip"
+        assert report["head"] == report["ref"][:k]
+        assert report["rest"] == report["ref"][k:], f"rank {rank} diverged after dcp.load"
+    assert reports[0]["ref"] != reports[1]["ref"]
+
+
+def test_data_parallel_groups_gather_and_scatter_within_the_group(state_dir: Path) -> None:
+    reports = _launch(4, "groups", state_dir)
+    for rank, report in enumerate(reports):
+        group = _GROUPS[0] if rank in _GROUPS[0] else _GROUPS[1]
+        assert report["layout"] == (group.index(rank), 2)
+        assert report["received"] == (rank == group[1]), f"rank {rank}"
+        assert report["head"] + report["rest"] == report["ref"], f"rank {rank} diverged"
+    # Tensor-parallel peers share a data-parallel rank, hence a stream.
+    assert reports[0]["ref"] == reports[1]["ref"]
+    assert reports[2]["ref"] == reports[3]["ref"]
+    first = {item for batch in reports[0]["ref"] for item in batch}
+    second = {item for batch in reports[2]["ref"] for item in batch}
+    assert not first & second
+    assert first | second == set(DATA)

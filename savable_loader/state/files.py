@@ -17,7 +17,7 @@ from .. import serialization, storage
 from ..errors import StateFormatError
 from .models import RankState
 
-__all__ = ["load_state", "save_state"]
+__all__ = ["decode_state", "encode_state", "load_state", "save_state"]
 
 _KINDS = ("rank", "global")
 
@@ -36,6 +36,11 @@ def save_state(
         StateFormatError: ``state`` is not a loader state.
         StorageError: Writing failed.
     """
+    storage.write_bytes(url, encode_state(state), **storage_options)
+
+
+def encode_state(state: RankState | Sequence[RankState]) -> bytes:
+    """Returns the bytes of a state file holding ``state`` (what :func:`save_state` writes)."""
     if isinstance(state, RankState):
         payload: dict[str, Any] = {"kind": "rank", "state": state.to_plain()}
     elif isinstance(state, Sequence) and all(isinstance(s, RankState) for s in state):
@@ -45,7 +50,16 @@ def save_state(
             f"save_state takes what save_state_rank() or save_state_global() returns, "
             f"got {type(state).__name__}"
         )
-    storage.write_bytes(url, serialization.dumps(payload), **storage_options)
+    return serialization.dumps(payload)
+
+
+def decode_state(data: bytes) -> RankState | list[RankState]:
+    """Returns the state held by the bytes :func:`encode_state` returned.
+
+    Raises:
+        StateFormatError: ``data`` is not a valid loader state.
+    """
+    return state_from_payload(serialization.loads(data))
 
 
 def load_state(url: str | os.PathLike[str], **storage_options: Any) -> RankState | list[RankState]:
@@ -56,8 +70,7 @@ def load_state(url: str | os.PathLike[str], **storage_options: Any) -> RankState
             foreign, pickle, or of an unknown format version). Nothing is executed.
         StorageError: Reading failed.
     """
-    payload = serialization.loads(storage.read_bytes(url, **storage_options))
-    return state_from_payload(payload)
+    return decode_state(storage.read_bytes(url, **storage_options))
 
 
 def state_from_payload(payload: Any) -> RankState | list[RankState]:
