@@ -216,7 +216,12 @@ class PipelineRuntime:
                 )
             return iter(())
         skip = self._skip
-        fast = replay > 0 and skip is not None and self.spec.collate_fn is None
+        fast = (
+            replay > 0
+            and skip is not None
+            and self.spec.collate_fn is None
+            and _can_skip(self.dataset)
+        )
         if fast and skip is not None:
             self._advance(replay, lambda: skip(replay * (self.spec.batch_size or 1)))
         if self._exhausted:
@@ -444,3 +449,9 @@ class WorkerWrapper(IterableDataset[Event]):
             raise
         server.ready()
         return holder[0]
+
+
+def _can_skip(dataset: Any) -> bool:
+    """Whether ``dataset.skip`` may replay now (stages say so through ``can_skip()``)."""
+    can_skip = getattr(dataset, "can_skip", None)
+    return not callable(can_skip) or bool(can_skip())

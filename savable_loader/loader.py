@@ -55,7 +55,7 @@ from ._version import __version__
 from ._worker import END, PLACEHOLDER, RuntimeSpec, WorkerStart, WorkerWrapper
 from .config import WorkerConfig, WorkerContext
 from .datasets.base import SavableDataset
-from .datasets.indexed import IndexedDataset
+from .datasets.indexed import IndexedDataset, shard_length
 from .datasets.stateful import StatefulDataset
 from .errors import (
     ConfigError,
@@ -359,13 +359,12 @@ class SavableDataLoader(DataLoader[Any]):
         batch = self._spec.batch_size
         total = 0
         for worker in range(max(self.num_workers, 1)):
-            shard = IndexedDataset(self.source.data, shuffle=False)
-            shard.setup(
+            items = shard_length(
+                len(self.source.data),
                 WorkerContext(
                     self.rank, self.world_size, worker, self.num_workers, self.seed, batch
-                )
+                ),
             )
-            items = len(shard)
             if batch is None:
                 total += items
             else:

@@ -141,7 +141,9 @@ def _job_dcp(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     restored.close()
     same_model = all(
         torch.equal(a, b)
-        for a, b in zip(model.state_dict().values(), restored_model.state_dict().values())
+        for a, b in zip(
+            model.state_dict().values(), restored_model.state_dict().values(), strict=True
+        )
     )
     return {"ref": ref, "head": head, "rest": rest, "model": same_model}
 

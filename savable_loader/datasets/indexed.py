@@ -13,18 +13,19 @@ is computed in O(1), so a state is two integers and ``skip`` moves by arithmetic
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+from pydantic import Field
 
 from ..config import WorkerContext
-from ..errors import ConfigError, StateError
+from ..errors import ConfigError
 from ..rng import derive_seed
-from .base import SavableDataset
+from .stage import Cursor, Stage, StageState, validate_state
 
 __all__ = ["IndexedDataset"]
 
+T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 _PERMUTATION_PURPOSE = 0x1D
@@ -35,7 +36,14 @@ class MapStyle(Protocol[T_co]):
     def __len__(self) -> int: ...
 
 
-class IndexedDataset(SavableDataset[T_co]):
+class _State(StageState):
+    """An indexed source's position."""
+
+    epoch: int = Field(ge=0, description="The epoch being read.")
+    pos: int = Field(ge=0, description="Items of this worker's shard already read in it.")
+
+
+class IndexedDataset(Stage[T]):
     """Serves a map-style dataset in a seeded per-epoch order, sharded over ranks and workers.
 
     Args:
@@ -45,15 +53,20 @@ class IndexedDataset(SavableDataset[T_co]):
         deterministic_items: Declare that ``data[i]`` draws from no global generator,
             so :meth:`skip` (and a replay after restore) need not fetch skipped items.
 
+    Raises:
+        ConfigError: ``data`` has no ``__getitem__`` or ``__len__``.
+
     State:
-        ``{"epoch": e, "pos": k}``: the epoch and the position in this worker's shard.
-        Restore is O(1); :meth:`skip` is O(1) with ``deterministic_items``, and fetches
-        the skipped items otherwise so global generators advance exactly as they would.
+        ``{"epoch": e, "pos": k}``: the epoch and the position in this worker's shard
+        (NOTE [ Indexed order and sharding ]). Restore is O(1); skipping is O(1) with
+        ``deterministic_items``, and fetches the skipped items otherwise so that global
+        generators advance exactly as they would. Nothing is replayed beyond what the
+        loader asks.
     """
 
     def __init__(
         self,
-        data: MapStyle[T_co],
+        data: MapStyle[T],
         *,
         shuffle: bool = False,
         seed: int = 0,
@@ -64,95 +77,108 @@ class IndexedDataset(SavableDataset[T_co]):
                 f"IndexedDataset needs __getitem__ and __len__; {type(data).__name__} lacks them"
             )
         self.data = data
-        self.shuffle = shuffle
+        self.shuffled = shuffle
         self.seed = seed
         self.deterministic_items = deterministic_items
-        self._context = WorkerContext(0, 1, 0, 0, seed, None)
-        self._epoch = 0
-        self._pos = 0
-        self._order: tuple[int, np.ndarray | None] = (-1, None)
 
     def config(self) -> dict[str, Any]:
         return {
             "type": "IndexedDataset",
             "data": f"{type(self.data).__module__}.{type(self.data).__qualname__}",
             "len": len(self.data),
-            "shuffle": self.shuffle,
+            "shuffle": self.shuffled,
             "seed": self.seed,
         }
 
-    def setup(self, context: WorkerContext) -> None:
-        self._context = context
+    def describe(self) -> str:
+        return f"IndexedDataset({len(self.data)} items, shuffle={self.shuffled}, seed={self.seed})"
 
-    def save_state(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "pos": self._pos}
-
-    def restore_state(self, state: Any | None) -> None:
-        if state is None:
-            self._epoch, self._pos = 0, 0
-            return
-        if not (
-            isinstance(state, dict)
-            and set(state) == {"epoch", "pos"}
-            and all(isinstance(v, int) and v >= 0 for v in state.values())
-        ):
-            raise StateError(
-                f"IndexedDataset state must be {{'epoch': int >= 0, 'pos': int >= 0}}, "
-                f"got {state!r}"
-            )
-        self._epoch, self._pos = state["epoch"], state["pos"]
+    def cursor(self, context: WorkerContext) -> IndexedCursor[T]:
+        return IndexedCursor(self, context)
 
     def __len__(self) -> int:
         """Items in this worker's shard of an epoch."""
-        return self._shard_length()
+        return IndexedCursor(self, self._context).shard_length
 
-    def __iter__(self) -> Iterator[T_co]:
-        length = self._shard_length()
-        while self._pos < length:
-            index = self._index(self._pos)
-            self._pos += 1
-            yield self.data[index]
-        self._epoch += 1
-        self._pos = 0
+
+class IndexedCursor(Cursor[T]):
+    """Reads an :class:`IndexedDataset` for one rank and worker."""
+
+    def __init__(self, stage: IndexedDataset[T], context: WorkerContext) -> None:
+        super().__init__(context)
+        self.stage = stage
+        self.epoch = 0
+        self.pos = 0
+        self.shard_length = shard_length(len(stage.data), context)
+        self._order: tuple[int, np.ndarray | None] = (-1, None)
+
+    def __next__(self) -> T:
+        if self.pos >= self.shard_length:
+            self.end_epoch()
+            raise StopIteration
+        index = self.index(self.pos)
+        self.pos += 1
+        return self.stage.data[index]
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def restore(self, state: Any | None) -> None:
+        position = _State(epoch=0, pos=0) if state is None else _parse(state)
+        self.epoch, self.pos = position.epoch, position.pos
+
+    def end_epoch(self) -> None:
+        self.epoch += 1
+        self.pos = 0
+
+    def can_skip(self) -> bool:
+        return True
 
     def skip(self, n: int) -> None:
-        """Advances by ``n`` items or to the end of the epoch, as iterating would."""
-        stop = min(self._pos + n, self._shard_length())
-        if not self.deterministic_items:
-            for pos in range(self._pos, stop):
-                self.data[self._index(pos)]
-        self._pos = stop
+        stop = min(self.pos + n, self.shard_length)
+        if not self.stage.deterministic_items:
+            for pos in range(self.pos, stop):
+                self.stage.data[self.index(pos)]
+        self.pos = stop
 
-    def _block(self) -> int:
-        return self._context.batch_size or 1
-
-    def _rank_length(self) -> int:
-        ctx = self._context
-        return len(range(ctx.rank, len(self.data), ctx.world_size))
-
-    def _shard_length(self) -> int:
-        ctx, block = self._context, self._block()
-        rank_length = self._rank_length()
-        workers = max(ctx.num_workers, 1)
-        blocks = -(-rank_length // block)
-        mine = len(range(ctx.worker_id, blocks, workers))
-        length = mine * block
-        last_block = blocks - 1
-        if mine and last_block % workers == ctx.worker_id:
-            length -= blocks * block - rank_length
-        return length
-
-    def _index(self, pos: int) -> int:
-        ctx, block = self._context, self._block()
-        workers = max(ctx.num_workers, 1)
-        rank_pos = (ctx.worker_id + (pos // block) * workers) * block + pos % block
-        global_pos = ctx.rank + rank_pos * ctx.world_size
-        return int(self._permutation()[global_pos]) if self.shuffle else global_pos
+    def index(self, pos: int) -> int:
+        """The dataset index at position ``pos`` of this worker's shard in this epoch."""
+        global_pos = global_position(pos, self.context)
+        return int(self._permutation()[global_pos]) if self.stage.shuffled else global_pos
 
     def _permutation(self) -> np.ndarray:
         epoch, order = self._order
-        if epoch != self._epoch or order is None:
-            seed = derive_seed(self.seed, _PERMUTATION_PURPOSE, self._epoch)
-            order = np.random.default_rng(seed).permutation(len(self.data))
-            self._order = (self._epoch, order)
+        if epoch != self.epoch or order is None:
+            seed = derive_seed(self.stage.seed, _PERMUTATION_PURPOSE, self.epoch)
+            order = np.random.default_rng(seed).permutation(len(self.stage.data))
+            self._order = (self.epoch, order)
         return order
+
+
+def _parse(state: Any) -> _State:
+    return validate_state(_State, state, "IndexedDataset")
+
+
+def _block(context: WorkerContext) -> int:
+    return context.batch_size or 1
+
+
+def shard_length(length: int, context: WorkerContext) -> int:
+    """Items of a ``length``-item epoch that fall to ``context``'s worker."""
+    block = _block(context)
+    rank_length = len(range(context.rank, length, context.world_size))
+    workers = max(context.num_workers, 1)
+    blocks = -(-rank_length // block)
+    mine = len(range(context.worker_id, blocks, workers))
+    result = mine * block
+    if mine and (blocks - 1) % workers == context.worker_id:
+        result -= blocks * block - rank_length
+    return result
+
+
+def global_position(pos: int, context: WorkerContext) -> int:
+    """The epoch-wide position of item ``pos`` of ``context``'s worker shard."""
+    block = _block(context)
+    workers = max(context.num_workers, 1)
+    rank_pos = (context.worker_id + (pos // block) * workers) * block + pos % block
+    return context.rank + rank_pos * context.world_size
