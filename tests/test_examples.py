@@ -1,0 +1,106 @@
+"""examples/train_torchrun.py under torchrun: a crashed and resumed run trains on the same batches.
+
+Each run is a real ``python -m torch.distributed.run --standalone --nproc-per-node 2`` job
+(two gloo ranks, two loader workers each) in a subprocess with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_torchrun.py"
+RANKS = 2
+STEPS = 20  # 8 batches per rank per epoch: the runs cross two epoch boundaries
+SAVE_EVERY = 5
+STOP_AT = 13  # after the save at step 10: steps 11 to 13 are trained twice
+RUN_TIMEOUT = 120.0
+
+
+def _torchrun(ckpt: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={RANKS}",
+        str(SCRIPT),
+        f"--ckpt={ckpt}",
+        f"--steps={STEPS}",
+        f"--save-every={SAVE_EVERY}",
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        # torchrun ends its ranks (each in its own session) when it gets SIGTERM.
+        process.terminate()
+        try:
+            stdout, stderr = process.communicate(timeout=30.0)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        pytest.fail(f"torchrun {extra} did not finish in {RUN_TIMEOUT:.0f} s:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _log(ckpt: Path, rank: int) -> list[tuple[int, str]]:
+    lines = (ckpt / f"batches_rank{rank}.jsonl").read_text().splitlines()
+    return [(entry["step"], entry["digest"]) for entry in map(json.loads, lines)]
+
+
+def _last_per_step(log: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    return sorted(dict(log).items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_torchrun_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Path) -> None:
+    assert STOP_AT % SAVE_EVERY != 0
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+
+    run = _torchrun(reference)
+    assert run.returncode == 0, run.stderr[-3000:]
+    run = _torchrun(crashed, f"--stop-at={STOP_AT}")
+    assert run.returncode != 0, "the run with --stop-at should end as a crash does"
+    assert "exitcode  : 17" in run.stderr
+    # A rank logs a step before the next step's gradient all-reduce, so every rank got
+    # at least to STOP_AT - 1; whether the other rank logged STOP_AT before torchrun
+    # stopped it is a race.
+    before = [_log(crashed, rank) for rank in range(RANKS)]
+    for log in before:
+        assert STOP_AT - 1 <= len(log) <= STOP_AT
+        assert [step for step, _ in log] == list(range(1, len(log) + 1))
+    run = _torchrun(crashed)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    last_save = STOP_AT - STOP_AT % SAVE_EVERY
+    for rank in range(RANKS):
+        expected = _log(reference, rank)
+        assert [step for step, _ in expected] == list(range(1, STEPS + 1))
+        resumed = _log(crashed, rank)
+        assert _last_per_step(resumed) == expected, f"rank {rank} diverged"
+        # The resumed run started after the last save: the steps after it were trained
+        # twice, on the same batches.
+        done = len(before[rank])
+        assert resumed[:done] == before[rank]
+        assert [step for step, _ in resumed[done:]] == list(range(last_save + 1, STEPS + 1))
+        assert set(resumed[last_save:done]) <= set(resumed[done:])
+    assert _log(reference, 0) != _log(reference, 1)
+
+    # Same batches and a restored optimizer: the final models are equal bit for bit.
+    want = torch.load(reference / "model.pt", weights_only=True)
+    got = torch.load(crashed / "model.pt", weights_only=True)
+    assert got["step"] == want["step"] == STEPS
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
