@@ -145,7 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     if args.command == "inspect":
-        return _inspect(args.url, as_json=args.json)
+        try:
+            return _inspect(args.url, as_json=args.json)
+        except BrokenPipeError:
+            # The reader left (``| head``): stop quietly, as Unix tools do.
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - replaces the closed stream
+            return 0
     try:
         settings = _demo_settings(args)
     except ValueError as error:

@@ -225,8 +225,8 @@ def _validated(states: Any, world_size: int) -> list[RankState]:
     if len(states) != world_size:
         raise StateMismatchError(
             f"cannot restore: world_size was {len(states)} when the states were saved and "
-            f"is {world_size} now; run the job with {len(states)} ranks, or restore each "
-            "rank's own state with restore_state_rank()"
+            f"is {world_size} now; run the job with {len(states)} ranks (a state restores "
+            "only on the world size it was saved with)"
         )
     validated = [RankState.from_plain(state) for state in states]
     for index, state in enumerate(validated):

@@ -294,3 +294,20 @@ def test_demo_end_to_end(tmp_path, capsys, arguments, batches):
 
     assert main(["inspect", str(saved[-1])]) == 0
     assert "rank 0 of 1" in capsys.readouterr().out
+
+
+def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
+    states = []
+    for _ in range(40):  # enough lines that the reader leaves before the end
+        state, _ = _save_after(tmp_path, SavableDataLoader(BytesCounter(), batch_size=3), 1)
+        states.append(state)
+    path = tmp_path / "many.msgpack"
+    save_state(states, path)
+    command = [sys.executable, "-m", "savable_loader.cli", "inspect", str(path)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        assert child.stdout is not None
+        child.stdout.readline()
+        child.stdout.close()
+        _, err = child.communicate(timeout=60)
+    assert b"Traceback" not in err, err.decode()
+    assert child.returncode == 0
