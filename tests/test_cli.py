@@ -15,6 +15,7 @@ import pytest
 from savable_loader import (
     SavableDataLoader,
     SavableDataset,
+    WorkerConfig,
     __version__,
     save_state,
     serialization,
@@ -297,10 +298,14 @@ def test_demo_end_to_end(tmp_path, capsys, arguments, batches):
 
 
 def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
-    states = []
-    for _ in range(40):  # enough lines that the reader leaves before the end
-        state, _ = _save_after(tmp_path, SavableDataLoader(BytesCounter(), batch_size=3), 1)
-        states.append(state)
+    # More output than a pipe buffers (64 KiB), so the writer meets the closed pipe.
+    ranks = 400
+    states = [
+        SavableDataLoader(
+            BytesCounter(), batch_size=3, worker_config=WorkerConfig(rank=r, world_size=ranks)
+        ).save_state_rank()
+        for r in range(ranks)
+    ]
     path = tmp_path / "many.msgpack"
     save_state(states, path)
     command = [sys.executable, "-m", "savable_loader.cli", "inspect", str(path)]
