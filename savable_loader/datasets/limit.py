@@ -1,0 +1,128 @@
+"""``Limit``: the first ``n`` items of every epoch of a source.
+
+NOTE [ Limit epochs ]
+A limited epoch is the first ``n`` items of the source's epoch. After the ``n``-th item
+the next ``next()`` calls the parent's ``end_epoch()``, so the source moves to its next
+epoch without reading the rest (an indexed source moves by arithmetic), and raises
+StopIteration. If the source's epoch ends first, the limited epoch ends with it. Like
+every stage, a Limit counts the items of its own cursor: one per rank and worker, before
+batching, so with ``W`` workers a rank's epoch has up to ``n * max(W, 1)`` items.
+
+Over ``Repeat(source)`` (endless), ``end_epoch()`` leaves the endless stream where it
+stands (NOTE [ Ending an endless epoch ] in ``repeat.py``), so ``.repeat().limit(k)``
+cuts one endless stream into consecutive epochs of ``k`` items.
+
+NOTE [ Skipping a limit ]
+``skip(k)`` passes ``m = min(k, n - count)`` items of the parent. When the parent's epoch
+is shorter, reading would have passed fewer, and ``count`` must say how many, so the
+parent is asked through a counted skip (NOTE [ Counted skips ] in ``_skips.py``). A
+parent that can skip but not count (a user's dataset with ``skip``) is assumed to have
+passed all ``m``: the state then shows a larger ``count`` than reading would, but the
+stream is the same, since from the end of the parent's epoch both ``next()`` paths move
+the parent to its next epoch, reset ``count`` and raise StopIteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import Field
+
+from ..config import WorkerContext
+from ..errors import ConfigError, StateError
+from ._skips import counts_skips, skip_counted
+from .stage import Cursor, StageState, Transform, TransformCursor
+
+__all__ = ["Limit"]
+
+T = TypeVar("T")
+
+
+class Limit(Transform[T]):
+    """Yields the first ``n`` items of every epoch of ``source`` (NOTE [ Limit epochs ]).
+
+    Args:
+        source: The stage (or dataset) to limit.
+        n: Items per epoch of each cursor (each rank and worker), at least 0.
+
+    Raises:
+        ConfigError: ``n`` is not an int of at least 0.
+
+    State:
+        ``{"parent": ..., "count": c}``: the parent's state and ``c``, the items this
+        epoch has yielded (0 to ``n``). Restore is O(1) on top of the parent's and
+        replays nothing; ``skip`` is as cheap as the parent's (NOTE [ Skipping a limit ]).
+    """
+
+    def __init__(self, source: Any, n: int) -> None:
+        super().__init__(source)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"Limit needs an int n >= 0, got {n!r}")
+        self.n = n
+
+    def config(self) -> dict[str, Any]:
+        return {"type": "Limit", "n": self.n, "source": self.source.config()}
+
+    def describe_own(self) -> str:
+        return f"limit({self.n})"
+
+    def cursor(self, context: WorkerContext) -> Cursor[T]:
+        return _LimitCursor(self.n, self.source.cursor(context), context)
+
+
+class _Count(StageState):
+    count: int = Field(ge=0, description="Items yielded in this epoch.")
+
+
+class _LimitCursor(TransformCursor[T]):
+    State = _Count
+
+    def __init__(self, n: int, parent: Cursor[T], context: WorkerContext) -> None:
+        super().__init__(parent, context)
+        self.n = n
+        self.count = 0
+
+    def __next__(self) -> T:
+        if self.count >= self.n:
+            self.end_epoch()
+            raise StopIteration
+        try:
+            item: T = next(self.parent)
+        except StopIteration:
+            self.count = 0
+            raise
+        self.count += 1
+        return item
+
+    def own_state(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def restore_own(self, state: Any | None) -> None:
+        count = state.count if isinstance(state, _Count) else 0
+        if count > self.n:
+            raise StateError(
+                f"Limit: count {count} in the state exceeds n={self.n}; restore a state "
+                "saved by the same pipeline"
+            )
+        self.count = count
+
+    def end_epoch(self) -> None:
+        self.parent.end_epoch()
+        self.count = 0
+
+    def can_skip(self) -> bool:
+        return self.parent.can_skip()
+
+    def counts_skips(self) -> bool:
+        return counts_skips(self.parent)
+
+    def skip(self, n: int) -> None:
+        self.skip_counted(n)
+
+    def skip_counted(self, n: int) -> int:
+        """Skips like :meth:`skip`; returns the items passed (NOTE [ Skipping a limit ])."""
+        wanted = max(0, min(n, self.n - self.count))
+        passed = skip_counted(self.parent, wanted)
+        passed = wanted if passed is None else passed
+        self.count += passed
+        return passed
