@@ -289,7 +289,10 @@ class TransformCursor(Cursor[T]):
         own = {key: value for key, value in state.items() if key != "parent"}
         if self.State is None:
             if own:
-                raise StateError(f"{name}: unexpected state fields {sorted(own)}")
+                raise StateError(
+                    f"{name}: malformed state (unexpected fields {sorted(own)}); restore a "
+                    "state saved by the same pipeline"
+                )
             self.parent.restore(state["parent"])
             self.restore_own(None)
             return
