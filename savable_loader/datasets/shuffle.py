@@ -25,7 +25,7 @@ window; they weigh ~10 KB in a saved state.
 from __future__ import annotations
 
 import copy
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 from pydantic import Field
@@ -138,7 +138,7 @@ class _ShuffleCursor(Cursor[T]):
         self.emitted += 1
         return item
 
-    def _end(self) -> None:
+    def _end(self) -> NoReturn:
         self._reset(epoch=self.epoch + 1)
         raise StopIteration
 
