@@ -1,28 +1,23 @@
 """save_state / load_state / ``inspect`` against a real S3 HTTP endpoint.
 
-The endpoint is moto's server mode, started by this module on a free loopback port and
-stopped at its end; the bucket is created with boto3. Nothing is mocked in process: the
-bytes go through fsspec, s3fs and botocore over HTTP, as they would to AWS. Credentials
-and the endpoint reach s3fs either as storage options or the usual way, through the
-``AWS_*`` environment variables (botocore reads ``AWS_ENDPOINT_URL``).
+The endpoint is moto's server mode (``tests/s3_server.py``), started by this module on a
+free loopback port and stopped at its end; the bucket is created with boto3. Nothing is
+mocked in process: the bytes go through fsspec, s3fs and botocore over HTTP, as they would
+to AWS. Credentials and the endpoint reach s3fs either as storage options or the usual
+way, through the ``AWS_*`` environment variables (botocore reads ``AWS_ENDPOINT_URL``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import random
-import threading
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import boto3
 import pytest
 import s3fs
-from moto.server import ThreadedMotoServer
+from s3_server import BUCKET, S3, S3FS_WARNINGS, moto_server, s3_access
 
 from savable_loader import (
     RankState,
@@ -34,130 +29,20 @@ from savable_loader import (
 from savable_loader.cli import main
 from savable_loader.errors import StateFormatError, StorageError
 
-pytestmark = [
-    # fsspec warns once, when it first imports s3fs, if s3fs predates 2023 (see the
-    # report that came with this module: the resolver picks s3fs 0.4.2 beside boto3
-    # 1.44, because newer s3fs needs aiobotocore, which pins an older botocore).
-    pytest.mark.filterwarnings("ignore:Your installed version of s3fs is very old:UserWarning"),
-]
-
-BUCKET = "savable-loader-tests"
-REGION = "us-east-1"
-KEY_ID = "testing"
-SECRET = "testing"
-
-# Names of the threads ThreadedMotoServer starts: its server loop, and werkzeug's
-# one-per-request handlers. None may outlive the module's fixture.
-_SERVER_THREAD_MARKERS = ("_server_entry", "process_request_thread")
-
-
-def _server_threads() -> list[threading.Thread]:
-    return [
-        thread
-        for thread in threading.enumerate()
-        if thread.is_alive() and any(marker in thread.name for marker in _SERVER_THREAD_MARKERS)
-    ]
+pytestmark = [S3FS_WARNINGS]
 
 
 @pytest.fixture(scope="module")
 def endpoint_url() -> Iterator[str]:
     """Runs moto's S3 server on 127.0.0.1 (a free port) with one bucket; stops it after."""
-    assert _server_threads() == []
-    werkzeug_logger = logging.getLogger("werkzeug")
-    level = werkzeug_logger.level
-    werkzeug_logger.setLevel(logging.ERROR)  # no access log line per request
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        url = f"http://{host}:{port}"
-        _client(url).create_bucket(Bucket=BUCKET)
+    with moto_server() as url:
         yield url
-    finally:
-        server.stop()
-        s3fs.S3FileSystem.clear_instance_cache()
-        werkzeug_logger.setLevel(level)
-    deadline = time.monotonic() + 5.0
-    while _server_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _server_threads() == [], "moto server threads still running after stop()"
-
-
-def _client(endpoint_url: str) -> Any:
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint_url,
-        aws_access_key_id=KEY_ID,
-        aws_secret_access_key=SECRET,
-        region_name=REGION,
-    )
-
-
-@dataclass
-class S3:
-    """One test's view of the server: a fresh key prefix, boto3, and how to reach s3fs."""
-
-    endpoint_url: str
-    prefix: str
-    client: Any
-    monkeypatch: pytest.MonkeyPatch
-
-    def url(self, name: str) -> str:
-        return f"s3://{BUCKET}/{self.prefix}/{name}"
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}/{name}"
-
-    def options(self) -> dict[str, Any]:
-        """Storage options that carry the endpoint and credentials themselves."""
-        return {
-            "key": KEY_ID,
-            "secret": SECRET,
-            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION},
-            "skip_instance_cache": True,
-        }
-
-    def use_environment(self) -> dict[str, Any]:
-        """Sets the AWS_* variables; returns the (empty) storage options that then suffice."""
-        self.monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY_ID)
-        self.monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-        self.monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-        self.monkeypatch.setenv("AWS_ENDPOINT_URL", self.endpoint_url)
-        return {}
-
-    def access(self, how: str) -> dict[str, Any]:
-        return self.options() if how == "options" else self.use_environment()
-
-    def keys(self) -> list[str]:
-        listing = self.client.list_objects_v2(Bucket=BUCKET, Prefix=f"{self.prefix}/")
-        return sorted(item["Key"] for item in listing.get("Contents", []))
 
 
 @pytest.fixture
 def s3(endpoint_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
-    # Keep a developer's own AWS setup out: no profile, config file or other endpoint.
-    for name in (
-        "AWS_PROFILE",
-        "AWS_DEFAULT_PROFILE",
-        "AWS_SESSION_TOKEN",
-        "AWS_SECURITY_TOKEN",
-        "AWS_ENDPOINT_URL",
-        "AWS_ENDPOINT_URL_S3",
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_DEFAULT_REGION",
-        "AWS_REGION",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/savable-loader-tests/config")
-    monkeypatch.setenv(
-        "AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/savable-loader-tests/credentials"
-    )
-    # s3fs caches filesystems by their arguments; an instance made under another
-    # test's environment must not serve this one.
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield S3(endpoint_url, f"test-{uuid.uuid4().hex}", _client(endpoint_url), monkeypatch)
-    s3fs.S3FileSystem.clear_instance_cache()
+    with s3_access(endpoint_url, monkeypatch) as access:
+        yield access
 
 
 def _batches(iterable: Any) -> list[list[int]]:
