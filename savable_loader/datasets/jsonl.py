@@ -1,0 +1,136 @@
+"""``JsonLinesSource``: one JSON object per line of sharded, optionally compressed files.
+
+NOTE [ JSON lines position ]
+A stream's position is the file it reads (``shard``, an index into its own list of
+the epoch, NOTE [ Shard listing and assignment ] in ``_shards.py``), the lines already
+read in that file (``line``, blank ones included) and the byte offset of the next line
+in the decompressed file (``offset``). Restoring opens the file and seeks to
+``offset``: the lines before it are never read again in Python (a compressed file is
+decompressed up to there, NOTE [ Seeking into compressed files ]). ``line`` only keeps
+error messages' line numbers right after a restore.
+
+NOTE [ Malformed lines ]
+A line that is not JSON raises :class:`~savable_loader.errors.ConfigError`, the
+library's error for input it cannot honour; it is also a ``ValueError``, as json's own
+error is, so ``except ValueError`` keeps catching it. The position has already moved
+past the line, so a caller that catches the error and reads on gets the next line.
+Failures to read the bytes (missing file, network, a corrupt gzip stream) are
+:class:`~savable_loader.errors.StorageError`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import Field
+
+from ..config import WorkerContext
+from ..errors import ConfigError
+from ._shards import ShardCursor, ShardedSource, Urls, storage_errors
+from .stage import StageState, validate_state
+
+__all__ = ["JsonLinesSource"]
+
+
+class _State(StageState):
+    """A JSON lines stream's position (NOTE [ JSON lines position ])."""
+
+    epoch: int = Field(ge=0, description="The epoch being read.")
+    shard: int = Field(ge=0, description="Index of the file in this stream's list.")
+    line: int = Field(ge=0, description="Lines of that file already read, blank ones too.")
+    offset: int = Field(ge=0, description="Byte offset of the next line, decompressed.")
+
+
+class JsonLinesSource(ShardedSource[Any]):
+    """Yields the parsed JSON object of every non-blank line of a list of files.
+
+    Args:
+        urls: A path, glob or fsspec URL (``s3://bucket/*.jsonl.gz``, ``memory://...``),
+            or a list of them; globs are expanded and the files sorted. Compressed files
+            are read by their extension (``.gz``, ``.bz2``, ``.xz``...).
+        shuffle_shards: Visit the files in a new order every epoch, drawn from
+            ``(seed, epoch)``; lines within a file stay in order.
+        seed: Seed of the file orders.
+        storage_options: Passed to fsspec (credentials, endpoint...); not part of the
+            pipeline's ``config()``.
+
+    Raises:
+        ConfigError: An argument is invalid or a glob matches nothing; when read, a line
+            is not JSON (the message names the file and the line number).
+        StorageError: Listing or reading a file failed (the message names the URL).
+
+    State:
+        ``{"epoch": e, "shard": s, "line": n, "offset": b}``: the epoch, the index of
+        the file in this stream's list, the lines read in it and the byte offset of the
+        next line (NOTE [ JSON lines position ]). Restore opens the file and seeks to
+        the offset; nothing is replayed beyond what the loader's checkpoint policy
+        replays. ``can_skip()`` is False: reading is the replay.
+    """
+
+    def __init__(
+        self,
+        urls: Urls,
+        *,
+        shuffle_shards: bool = False,
+        seed: int = 0,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            urls, shuffle_shards=shuffle_shards, seed=seed, storage_options=storage_options
+        )
+
+    def cursor(self, context: WorkerContext) -> JsonLinesCursor:
+        return JsonLinesCursor(self, context)
+
+
+class JsonLinesCursor(ShardCursor[Any]):
+    """Reads a :class:`JsonLinesSource` for one rank and worker; one open file at most."""
+
+    def __init__(self, stage: JsonLinesSource, context: WorkerContext) -> None:
+        super().__init__(stage, context)
+        self.line = 0
+
+    def __next__(self) -> Any:
+        while True:
+            url = self.url()
+            if url is None:
+                self.end_epoch()
+                raise StopIteration
+            try:
+                file = self.open_file(url)
+                with storage_errors(url):
+                    raw = file.readline()
+            except BaseException:
+                self.close()  # a retry reopens the file at the same offset
+                raise
+            if not raw:
+                self.next_shard()
+                continue
+            self.line += 1
+            self.offset += len(raw)
+            if raw.strip():
+                return _parse(raw, url, self.line)
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "shard": self.shard, "line": self.line, "offset": self.offset}
+
+    def restore(self, state: Any | None) -> None:
+        position = (
+            _State(epoch=0, shard=0, line=0, offset=0)
+            if state is None
+            else validate_state(_State, state, "JsonLinesSource")
+        )
+        self.move(position.epoch, position.shard, position.offset)
+        self.line = position.line
+
+    def move(self, epoch: int, shard: int, offset: int) -> None:
+        super().move(epoch, shard, offset)
+        self.line = 0
+
+
+def _parse(raw: bytes, url: str, line: int) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{url}, line {line}: not valid JSON ({exc})") from exc
