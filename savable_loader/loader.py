@@ -262,6 +262,7 @@ class SavableDataLoader(DataLoader[Any]):
         self._stream_done = False
         self._channel: CommandChannel | None = None
         self._closed = False
+        self._last_worker: int | None = None
 
     # -- iteration --------------------------------------------------------------------
 
@@ -324,7 +325,14 @@ class SavableDataLoader(DataLoader[Any]):
             self._book.hand_on(worker_id, seq, kind)
             if kind == END:
                 continue
+            self._last_worker = worker_id if self.num_workers > 0 else None
             return payload
+
+    @property
+    def last_worker(self) -> int | None:
+        """The worker that produced the last item handed out; None before the first item
+        and when ``num_workers`` is 0 (the pipeline runs in the main process)."""
+        return self._last_worker
 
     def _raise_if_workers_died(self, error: BaseException, during: str) -> None:
         """Turns an error into :class:`WorkerError` (stopping the rest) if workers died.
