@@ -1,0 +1,193 @@
+"""``TarSource``: samples from tar shards laid out as WebDataset lays them out.
+
+NOTE [ Tar shard layout ]
+A shard is a tar file (optionally compressed: ``.tar.gz``...) whose regular members are
+named ``<key>.<ext>``: the key is the member's folders plus its base name up to the
+first dot, the extension everything after that dot (``a/b/0001.seg.png`` has key
+``a/b/0001`` and extension ``seg.png``). Consecutive members with the same key form one
+sample, ``{"__key__": key, "__url__": url, ext: bytes, ...}``. Members that are not
+regular files, or whose base name has no key or no extension (``.hidden``, ``README``),
+are passed over, as WebDataset does. Shards are listed, sorted and shared out over ranks
+and workers as NOTE [ Shard listing and assignment ] in ``_shards.py`` says.
+
+NOTE [ Tar position ]
+The position is the file (``shard``, an index into this stream's list of the epoch)
+and the byte offset of the next sample's first tar header in the decompressed file.
+A sample is complete only once the header of the next member shows another key, so
+the cursor keeps that member (its header read, its data not yet) for the next sample,
+and ``offset`` points at that header. Restoring opens the file, seeks to ``offset``
+(decompressing up to it for a compressed shard) and reads on with
+``tarfile.open(fileobj=..., mode="r|")``, a stream that starts there: member offsets
+are relative to the stream's start, so the cursor adds where it started. After a
+shard's last sample the position moves to the start of the next shard at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import tarfile
+from typing import Any
+
+from pydantic import Field
+
+from ..config import WorkerContext
+from ..errors import ConfigError
+from ._shards import ShardCursor, ShardedSource, Urls, storage_errors
+from .stage import StageState, validate_state
+
+__all__ = ["TarSource"]
+
+logger = logging.getLogger(__name__)
+
+
+class _State(StageState):
+    """A tar stream's position (NOTE [ Tar position ])."""
+
+    epoch: int = Field(ge=0, description="The epoch being read.")
+    shard: int = Field(ge=0, description="Index of the file in this stream's list.")
+    offset: int = Field(ge=0, description="Byte offset of the next sample's first header.")
+
+
+class TarSource(ShardedSource[dict[str, Any]]):
+    """Yields the samples of WebDataset-style tar shards (NOTE [ Tar shard layout ]).
+
+    Args:
+        urls: A path, glob or fsspec URL (``s3://bucket/shards-*.tar``), or a list of
+            them; globs are expanded and the files sorted. ``.tar.gz`` and other
+            compressed shards are read by their extension.
+        shuffle_shards: Visit the shards in a new order every epoch, drawn from
+            ``(seed, epoch)``; samples within a shard stay in order.
+        seed: Seed of the shard orders.
+        storage_options: Passed to fsspec (credentials, endpoint...); not part of the
+            pipeline's ``config()``.
+
+    Raises:
+        ConfigError: An argument is invalid or a glob matches nothing; when read, a
+            sample holds one extension twice.
+        StorageError: Listing or reading a shard failed, or it is not a valid tar file
+            (the message names the URL).
+
+    State:
+        ``{"epoch": e, "shard": s, "offset": b}``: the epoch, the index of the shard in
+        this stream's list and the byte offset of the next sample's first tar header
+        (NOTE [ Tar position ]). Restore seeks there and reads on; nothing is replayed
+        beyond what the loader's checkpoint policy replays. ``can_skip()`` is False.
+    """
+
+    def __init__(
+        self,
+        urls: Urls,
+        *,
+        shuffle_shards: bool = False,
+        seed: int = 0,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            urls, shuffle_shards=shuffle_shards, seed=seed, storage_options=storage_options
+        )
+
+    def cursor(self, context: WorkerContext) -> TarCursor:
+        return TarCursor(self, context)
+
+
+class TarCursor(ShardCursor[dict[str, Any]]):
+    """Reads a :class:`TarSource` for one rank and worker; one open shard at most."""
+
+    def __init__(self, stage: TarSource, context: WorkerContext) -> None:
+        super().__init__(stage, context)
+        self._tar: tarfile.TarFile | None = None
+        self._base = 0
+        self._pending: tarfile.TarInfo | None = None
+
+    def __next__(self) -> dict[str, Any]:
+        while True:
+            url = self.url()
+            if url is None:
+                self.end_epoch()
+                raise StopIteration
+            try:
+                sample = self._sample(url)
+            except BaseException:
+                self.close()  # a retry reopens the shard at the sample's start
+                raise
+            if sample is not None:
+                return sample
+
+    def _sample(self, url: str) -> dict[str, Any] | None:
+        """Reads the next sample of ``url``; at its end moves to the next shard."""
+        sample: dict[str, Any] | None = None
+        while True:
+            member = self._member(url)
+            if member is None:
+                self.next_shard()
+                return sample
+            key, ext = _split(member.name)
+            if not member.isreg() or not key:
+                logger.debug("%s: passing over the member %r", url, member.name)
+                continue
+            if sample is not None and key != sample["__key__"]:
+                self._pending = member
+                self.offset = self._base + member.offset
+                return sample
+            if sample is None:
+                sample = {"__key__": key, "__url__": url}
+            if ext in sample:
+                raise ConfigError(f"{url}: sample {key!r} holds {ext!r} twice")
+            sample[ext] = self._read(url, member)
+
+    def _member(self, url: str) -> tarfile.TarInfo | None:
+        """The next member of the shard (the kept one first), or None at its end."""
+        member, self._pending = self._pending, None
+        if member is not None:
+            return member
+        if self._tar is None and self.file is None:
+            self._open(url)
+        if self._tar is None:
+            return None
+        with storage_errors(url):
+            member = self._tar.next()
+        # A stream keeps every member it read (an attribute typeshed does not list).
+        self._tar.members = []  # type: ignore[attr-defined]
+        return member
+
+    def _open(self, url: str) -> None:
+        """Opens the shard at ``offset`` as a tar stream; an empty file has none."""
+        file = self.open_file(url)
+        self._base = self.offset
+        with storage_errors(url):
+            try:
+                self._tar = tarfile.open(fileobj=file, mode="r|")  # noqa: SIM115 (kept open)
+            except tarfile.ReadError as exc:
+                if str(exc) != "empty file":
+                    raise
+
+    def _read(self, url: str, member: tarfile.TarInfo) -> bytes:
+        with storage_errors(url):
+            data = self._tar.extractfile(member) if self._tar is not None else None
+            return data.read() if data is not None else b""
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "shard": self.shard, "offset": self.offset}
+
+    def restore(self, state: Any | None) -> None:
+        position = (
+            _State(epoch=0, shard=0, offset=0)
+            if state is None
+            else validate_state(_State, state, "TarSource")
+        )
+        self.move(position.epoch, position.shard, position.offset)
+
+    def close(self) -> None:
+        tar, self._tar, self._pending = self._tar, None, None
+        if tar is not None:
+            tar.close()
+        super().close()
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``(key, ext)`` of a member name; an empty key when it has no key or extension."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not stem or not dot or not ext:
+        return "", ""
+    return (f"{folder}/{stem}" if folder else stem), ext
