@@ -5,6 +5,7 @@ from .config import WorkerConfig, WorkerContext
 from .datasets.base import SavableDataset
 from .errors import (
     ConfigError,
+    DatasetError,
     SavableLoaderError,
     StateError,
     StateFormatError,
@@ -18,6 +19,7 @@ from .state.models import RankState
 
 __all__ = [
     "ConfigError",
+    "DatasetError",
     "RankState",
     "SavableDataLoader",
     "SavableDataset",

@@ -7,9 +7,23 @@ NOTE [ Events ]
 Torch's ``DataLoader`` runs underneath with ``batch_size=None`` over :class:`WorkerWrapper`,
 which yields ``(worker_id, seq, kind, payload)`` tuples. ``kind`` is ITEM (a batch,
 collated in the worker), END (this worker's epoch ended; it still takes a turn in
-torch's round-robin, then the worker stops) or PLACEHOLDER (one per worker before the
+torch's round-robin, then the worker stops), PLACEHOLDER (one per worker before the
 saved next worker, in the first epoch after a restore; see NOTE [ Worker order ] in
-``loader.py``). The loader drops END and PLACEHOLDER and counts the rest.
+``loader.py``) or ERROR (the pipeline raised; see NOTE [ Pipeline errors ]). The loader
+drops END and PLACEHOLDER and counts the rest.
+
+NOTE [ Pipeline errors ]
+An exception raised by the pipeline (the dataset, a stage, collate, a restore or replay
+at start-up) does not escape the worker: it becomes one ERROR event carrying a
+:class:`Failure` (worker id, the sequence number being produced, the formatted traceback,
+the exception's type and plain arguments), and the worker's generator ends. The event
+takes the failing item's turn in torch's round-robin, so when the loader sees it every
+earlier item was handed on and its bookkeeping stands exactly before the failing item.
+Letting the exception escape instead would leave torch to re-raise a copy that names no
+item, and would end the worker's iteration early, which the loader cannot tell apart
+from an end of epoch. The exception object itself never crosses processes (a user's
+exception type need not pickle); only its type's name and plain arguments do, and the
+runtime is marked failed so that no checkpoint is ever taken of the broken state.
 
 NOTE [ Checkpoint policy ]
 After producing an event, the worker may record a checkpoint (dataset state and its
@@ -54,15 +68,25 @@ from .datasets.base import SavableDataset
 from .errors import StateError, WorkerError
 from .state.models import Checkpoint, RngState
 
-__all__ = ["END", "ITEM", "PLACEHOLDER", "PipelineRuntime", "RuntimeSpec", "WorkerStart"]
+__all__ = [
+    "END",
+    "ERROR",
+    "ITEM",
+    "PLACEHOLDER",
+    "Failure",
+    "PipelineRuntime",
+    "RuntimeSpec",
+    "WorkerStart",
+]
 
 logger = logging.getLogger(__name__)
 
-ITEM, END, PLACEHOLDER = 0, 1, 2
+ITEM, END, PLACEHOLDER, ERROR = 0, 1, 2, 3
 _SEED_PURPOSE = 0x5EED
 _MAX_BUDGET_CHECKPOINTS = 4
 _COST_WINDOW = 9
 _WORKER_SWITCH_INTERVAL = 0.001
+_PLAIN_ARGS = (str, int, float, bool, bytes, type(None))
 
 Event = tuple[int, int, int, Any]
 
@@ -82,6 +106,72 @@ class WorkerStart:
     delivered: int = 0
     skip_epoch: bool = False
     placeholder: bool = False
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An exception the pipeline raised, in a form that crosses processes.
+
+    Attributes:
+        worker_id: The worker that raised (0 without workers).
+        seq: Sequence number of the event the worker was producing (starting: the one it
+            was to produce first).
+        starting: Raised while the worker started (restoring its checkpoint, replaying, or
+            beginning an epoch) rather than while producing event ``seq``.
+        type_module: Module of the exception's type.
+        type_name: Qualified name of the exception's type.
+        args: The exception's arguments when all are plain scalars, else its ``str``.
+        message: ``str()`` of the exception.
+        text: The formatted traceback, causes included.
+        error: The exception itself when it was raised in this process; None in a worker.
+    """
+
+    worker_id: int
+    seq: int
+    starting: bool
+    type_module: str
+    type_name: str
+    args: tuple[Any, ...]
+    message: str
+    text: str
+    error: BaseException | None = None
+
+    @classmethod
+    def of(
+        cls, error: Exception, worker_id: int, seq: int, *, starting: bool, in_main: bool
+    ) -> Failure:
+        kind = type(error)
+        args = error.args if all(isinstance(a, _PLAIN_ARGS) for a in error.args) else (str(error),)
+        return cls(
+            worker_id=worker_id,
+            seq=seq,
+            starting=starting,
+            type_module=kind.__module__,
+            type_name=kind.__qualname__,
+            args=tuple(args),
+            message=str(error),
+            text="".join(traceback.format_exception(error)),
+            error=error if in_main else None,
+        )
+
+    def exception(self) -> BaseException:
+        """Returns the exception: itself in the main process, else a copy of its type.
+
+        The copy is built from the type (looked up among modules already imported, never
+        importing one) and the plain arguments; a RuntimeError naming the type stands in
+        when that fails.
+        """
+        if self.error is not None:
+            return self.error
+        kind: Any = sys.modules.get(self.type_module)
+        for part in self.type_name.split("."):
+            kind = getattr(kind, part, None)
+        if isinstance(kind, type) and issubclass(kind, Exception):
+            try:
+                return kind(*self.args)
+            except Exception:  # a constructor with another signature
+                logger.debug("cannot rebuild %s%r", self.type_name, self.args)
+        return RuntimeError(f"{self.type_name}: {self.message}")
 
 
 @dataclass
@@ -157,6 +247,8 @@ class PipelineRuntime:
         self._budget = 0.0
         self._first_epoch = True
         self._exhausted = False
+        #: The pipeline raised (NOTE [ Pipeline errors ]): its state is no checkpoint.
+        self.failed = False
         self.checkpoints_taken = 0
         self.replayed = 0
         start = spec.starts[worker_id] if spec.starts else WorkerStart()
@@ -171,25 +263,29 @@ class PipelineRuntime:
                 batch_size=spec.batch_size,
             )
         )
+        self.seq = start.checkpoint.seq if start.checkpoint is not None else 0
         outer = rng.capture() if in_main else None
-        if start.checkpoint is None:
-            self.dataset.restore_state(None)
-            rng.seed_globals(rng.derive_seed(spec.seed, spec.rank, worker_id, _SEED_PURPOSE))
-            self.seq = 0
-        else:
-            checkpoint = start.checkpoint
-            self.dataset.restore_state(decode_dataset_state(checkpoint.dataset_state))
-            rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
-            self.seq = checkpoint.seq
-            self._exhausted = checkpoint.exhausted
-            self._record(
-                _Entry(
-                    checkpoint.seq, checkpoint.exhausted, checkpoint.dataset_state, checkpoint.rng
+        try:
+            if start.checkpoint is None:
+                self.dataset.restore_state(None)
+                rng.seed_globals(rng.derive_seed(spec.seed, spec.rank, worker_id, _SEED_PURPOSE))
+            else:
+                checkpoint = start.checkpoint
+                self.dataset.restore_state(decode_dataset_state(checkpoint.dataset_state))
+                rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
+                self._exhausted = checkpoint.exhausted
+                self._record(
+                    _Entry(
+                        checkpoint.seq,
+                        checkpoint.exhausted,
+                        checkpoint.dataset_state,
+                        checkpoint.rng,
+                    )
                 )
-            )
-        self.rng = rng.capture()
-        if outer is not None:
-            rng.apply(outer)
+            self.rng = rng.capture()
+        finally:
+            if outer is not None:
+                rng.apply(outer)
         # The ring holds a checkpoint before the command server reports ready. The first
         # capture runs cold (first calls, caches), so a second one measures the cost.
         self._checkpoint_now()
@@ -240,8 +336,13 @@ class PipelineRuntime:
             yield (self.worker_id, -1, PLACEHOLDER, None)
         mark = time.perf_counter()
         while True:
-            with self._generators():
-                item = next(source, _END_OF_SOURCE)
+            try:
+                with self._generators():
+                    item = next(source, _END_OF_SOURCE)
+            except Exception as error:
+                self.failed = True
+                yield self.failure(error, starting=False)
+                return
             now = time.perf_counter()
             # Worker time since the previous event: producing this one, plus torch
             # sending the previous one and waiting for this task.
@@ -256,6 +357,13 @@ class PipelineRuntime:
             if not self.in_main:
                 self._maybe_checkpoint(elapsed)
             yield (self.worker_id, seq, ITEM, item)
+
+    def failure(self, error: Exception, *, starting: bool) -> Event:
+        """The ERROR event for ``error`` (NOTE [ Pipeline errors ])."""
+        failure = Failure.of(
+            error, self.worker_id, self.seq, starting=starting, in_main=self.in_main
+        )
+        return (self.worker_id, self.seq, ERROR, failure)
 
     def _batches(self, items: Iterator[Any]) -> Iterator[Any]:
         spec = self.spec
@@ -350,7 +458,7 @@ class PipelineRuntime:
         Raises:
             WorkerError: ``delivered`` lies outside what the ring can answer.
         """
-        if self.in_main and delivered == self.seq:
+        if self.in_main and delivered == self.seq and not self.failed:
             self._checkpoint_now()
         with self._lock:
             entry = next((e for e in reversed(self._ring) if e.seq <= delivered), None)
@@ -416,9 +524,26 @@ class WorkerWrapper(IterableDataset[Event]):
         self.runtime: PipelineRuntime | None = None
 
     def __iter__(self) -> Iterator[Event]:
-        if self.runtime is None:
-            self.runtime = self._start()
-        return self.runtime.epoch()
+        try:
+            if self.runtime is None:
+                self.runtime = self._start()
+            return self.runtime.epoch()
+        except Exception as error:
+            # NOTE [ Pipeline errors ]: a start that failed is one ERROR event too.
+            if self.runtime is not None:
+                self.runtime.failed = True
+                return iter((self.runtime.failure(error, starting=True),))
+            return iter((self._start_failure(error),))
+
+    def _start_failure(self, error: Exception) -> Event:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        worker_id = info.id if info is not None else 0
+        starts = self.spec.starts
+        seq = starts[worker_id].delivered if starts else 0
+        failure = Failure.of(error, worker_id, seq, starting=True, in_main=info is None)
+        return (worker_id, seq, ERROR, failure)
 
     def _start(self) -> PipelineRuntime:
         from torch.utils.data import get_worker_info

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "DatasetError",
     "SavableLoaderError",
     "StateError",
     "StateFormatError",
@@ -49,3 +50,21 @@ class StorageError(SavableLoaderError):
 
 class WorkerError(SavableLoaderError, RuntimeError):
     """A worker process died, hung, or did not answer a command within its timeout."""
+
+
+class DatasetError(SavableLoaderError):
+    """The user's pipeline raised while producing an item; the original is the ``__cause__``.
+
+    The message names the worker, the item (the sequence number the worker was
+    producing) and, with workers, holds the worker's traceback. The loader stays just
+    before that item: iterating again retries it.
+
+    Attributes:
+        worker_id: The worker that raised (0 without workers), or None if unknown.
+        index: The sequence number of the item the worker was producing, or None.
+    """
+
+    def __init__(self, message: str, *, worker_id: int | None = None, index: int | None = None):
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.index = index

@@ -37,6 +37,22 @@ only when the previous one ended (StopIteration); an epoch left half-read (a ``b
 continues where it stopped, so nothing is lost and an uninterrupted run behaves exactly
 like a saved and restored one. A restore moves the stream: a live iterator continues
 from the restored position (or stops, if the state lies between epochs).
+
+NOTE [ Errors stop the stream ]
+When the pipeline raises (an ERROR event, NOTE [ Pipeline errors ] in ``_worker.py``) or
+anything else escapes torch's iterator, the loader stops the stream (workers, queues,
+command pipes) before the error reaches the user, and keeps its bookkeeping, which stands
+exactly after the last item handed on. It first asks the workers for checkpoints at that
+position (no request when nothing was handed on since the stream started: the start
+checkpoints still hold), so the loader is as if that position had been saved and
+restored: the next iteration starts fresh workers that replay up to it and retry the
+failing item, ``save_state_rank()`` saves it, and ``restore_state_rank()`` moves
+anywhere else. If the position cannot be had (a worker died or hung), the loader is
+*broken*: iterating or saving raises an error saying so, until a restore. An error from
+the pipeline is raised as :class:`DatasetError` naming the worker and the item, chained
+from the original exception (the object itself without workers; with workers a copy of
+its type, and the worker's traceback in the message, as torch does); the library's own
+errors (StateError, StorageError, ...) keep their type.
 """
 
 from __future__ import annotations
@@ -52,13 +68,14 @@ from torch.utils.data import DataLoader, IterableDataset
 from . import _torch_compat, distributed
 from ._commands import CommandChannel
 from ._version import __version__
-from ._worker import END, PLACEHOLDER, RuntimeSpec, WorkerStart, WorkerWrapper
+from ._worker import END, ERROR, PLACEHOLDER, Failure, RuntimeSpec, WorkerStart, WorkerWrapper
 from .config import WorkerConfig, WorkerContext
 from .datasets.base import SavableDataset
 from .datasets.indexed import IndexedDataset, shard_length
 from .datasets.stateful import StatefulDataset
 from .errors import (
     ConfigError,
+    DatasetError,
     SavableLoaderError,
     StateFormatError,
     StateMismatchError,
@@ -97,6 +114,9 @@ class _Book:
     @classmethod
     def fresh(cls, workers: int) -> _Book:
         return cls(0, [0] * workers, [False] * workers, 0)
+
+    def copy(self) -> _Book:
+        return _Book(self.epoch, list(self.delivered), list(self.ended), self.next_worker)
 
     @classmethod
     def of(cls, state: RankState) -> _Book:
@@ -263,12 +283,16 @@ class SavableDataLoader(DataLoader[Any]):
         self._channel: CommandChannel | None = None
         self._closed = False
         self._last_worker: int | None = None
+        #: The book when the stream started: its checkpoints are ``_resume``.
+        self._started = self._book.copy()
+        #: Why the loader cannot continue until a restore (NOTE [ Errors stop the stream ]).
+        self._broken: str | None = None
 
     # -- iteration --------------------------------------------------------------------
 
     def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
         """Returns an iterator over the stream (NOTE [ Iterators continue the stream ])."""
-        self._check_open()
+        self._check_usable()
         if self._book.all_ended():
             self._book.start_epoch()
             if self._stream is not None:
@@ -294,12 +318,14 @@ class SavableDataLoader(DataLoader[Any]):
             self._channel = CommandChannel(context, self.num_workers)
             self._spec.channel = self._channel
         self._wrapper.runtime = None
+        self._started = book.copy()
         self._stream = super().__iter__()
         self._stream_done = False
 
     def _next(self) -> Any:
         while True:
             if self._stream is None:
+                self._check_usable()
                 if self._book.all_ended():
                     raise StopIteration
                 self._start_stream()
@@ -319,9 +345,12 @@ class SavableDataLoader(DataLoader[Any]):
                 # Whatever surfaces when a worker dies (torch's RuntimeError, a reset
                 # connection while fetching a tensor it shared) becomes a WorkerError.
                 self._raise_if_workers_died(error, "while producing items")
+                self._halt()
                 raise
             if kind == PLACEHOLDER:
                 continue
+            if kind == ERROR:
+                self._raise_failure(payload)
             self._book.hand_on(worker_id, seq, kind)
             if kind == END:
                 continue
@@ -344,10 +373,62 @@ class SavableDataLoader(DataLoader[Any]):
         if not dead:
             return
         self._stop_stream()
+        self._broken = (
+            f"worker(s) {dead} died {during}, so the loader lost its position; restore a "
+            "saved state with restore_state_rank() (or restore_state_rank(None) to start over)"
+        )
         raise WorkerError(
-            f"worker(s) {dead} died {during}; restore the last saved state into a new "
-            f"loader to resume ({error})"
+            f"worker(s) {dead} died {during}; restore the last saved state "
+            f"(restore_state_rank) to resume ({error})"
         ) from error
+
+    def _halt(self) -> str | None:
+        """Stops the stream after an error, keeping the position (NOTE [ Errors stop the
+        stream ]). Returns why the position was lost, or None when it was kept."""
+        if self._stream is None:
+            return self._broken
+        try:
+            if self._book != self._started:
+                self._resume = self._current_checkpoints()
+        except Exception as error:  # a dead or hung worker: WorkerError, torch's RuntimeError
+            self._broken = (
+                f"after an error the loader could not get its workers' checkpoints ({error}); "
+                "restore a saved state with restore_state_rank() (or restore_state_rank(None) "
+                "to start over)"
+            )
+        self._stop_stream()
+        return self._broken
+
+    def _raise_failure(self, failure: Failure) -> None:
+        """Stops the stream and raises the error the pipeline raised in a worker."""
+        lost = self._halt()
+        original = failure.exception()
+        where = f"worker {failure.worker_id}" if self.num_workers > 0 else "the main process"
+        doing = (
+            f"starting (restoring its checkpoint and replaying up to item {failure.seq})"
+            if failure.starting
+            else f"producing item {failure.seq}"
+        )
+        then = (
+            f"The loader cannot continue: {lost}."
+            if lost is not None
+            else "The loader stays just before that item: iterating again retries it, "
+            "save_state_rank() saves this position and restore_state_rank() moves to a "
+            "saved one."
+        )
+        message = (
+            f"{failure.type_name}: {failure.message} (raised in {where} while {doing}, epoch "
+            f"{self._book.epoch}). {then}"
+        )
+        if failure.error is None:
+            message += f"\n\nTraceback in {where}:\n{failure.text}"
+        if isinstance(original, SavableLoaderError):
+            library_error = type(original)
+            try:
+                raise library_error(message) from original
+            except TypeError:  # a subclass with another constructor
+                pass
+        raise DatasetError(message, worker_id=failure.worker_id, index=failure.seq) from original
 
     def _unended(self) -> list[int]:
         return [w for w, ended in enumerate(self._book.ended) if not ended]
@@ -389,8 +470,10 @@ class SavableDataLoader(DataLoader[Any]):
 
         Raises:
             WorkerError: A worker is dead or did not answer within its command timeout.
+            SavableLoaderError: The loader lost its position after an error and needs a
+                restore (NOTE [ Errors stop the stream ]).
         """
-        self._check_open()
+        self._check_usable()
         book = self._book
         checkpoints = self._current_checkpoints()
         return RankState(
@@ -477,12 +560,14 @@ class SavableDataLoader(DataLoader[Any]):
             self._stop_stream()
             self._book = _Book.fresh(len(self._book.delivered))
             self._resume = [None] * len(self._resume)
+            self._broken = None
             return
         state = RankState.from_plain(state)
         self._check_compatible(state)
         self._stop_stream()
         self._book = _Book.of(state)
         self._resume = [worker.checkpoint for worker in state.workers]
+        self._broken = None
 
     def save_state_global(self, global_dst_rank: int = 0) -> list[RankState] | None:
         """Gathers every rank's state on ``global_dst_rank``: a collective, every rank calls it.
@@ -607,6 +692,11 @@ class SavableDataLoader(DataLoader[Any]):
     def _check_open(self) -> None:
         if self._closed:
             raise SavableLoaderError("this SavableDataLoader is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self._broken is not None:
+            raise SavableLoaderError(f"this SavableDataLoader cannot continue: {self._broken}")
 
     def __enter__(self) -> SavableDataLoader:
         return self

@@ -9,6 +9,7 @@ def test_all_is_sorted_and_pinned():
     assert savable_loader.__all__ == sorted(savable_loader.__all__)
     assert savable_loader.__all__ == [
         "ConfigError",
+        "DatasetError",
         "RankState",
         "SavableDataLoader",
         "SavableDataset",
@@ -30,7 +31,13 @@ def test_all_is_sorted_and_pinned():
 
 def test_error_hierarchy():
     errors = savable_loader
-    for error in (errors.StateError, errors.WorkerError, errors.StorageError, errors.ConfigError):
+    for error in (
+        errors.StateError,
+        errors.WorkerError,
+        errors.StorageError,
+        errors.ConfigError,
+        errors.DatasetError,
+    ):
         assert issubclass(error, errors.SavableLoaderError)
     assert issubclass(errors.ConfigError, ValueError)
     assert issubclass(errors.WorkerError, RuntimeError)
