@@ -150,15 +150,16 @@ class ShardedSource(Stage[T]):
     def open(self, url: str) -> IO[bytes]:
         """Opens ``url`` for reading, decompressed by its extension.
 
-        One filesystem per protocol serves every file of this stage in this process, so
-        that opening a file costs no new client (``skip_instance_cache`` included).
+        One filesystem per protocol and process serves every file of this stage, so that
+        opening a file costs no new client (``skip_instance_cache`` included); a forked
+        worker builds its own (fsspec's async filesystems are not fork-safe).
         """
         if "::" in url:
             return fsspec.open(url, "rb", compression="infer", **self.storage_options).open()  # type: ignore[no-any-return]
-        protocol = url.partition("://")[0] if "://" in url else "file"
-        if protocol not in self._filesystems:
-            self._filesystems[protocol] = fsspec.url_to_fs(url, **self.storage_options)[0]
-        return self._filesystems[protocol].open(url, "rb", compression="infer")  # type: ignore[no-any-return]
+        key = f"{os.getpid()}:{url.partition('://')[0] if '://' in url else 'file'}"
+        if key not in self._filesystems:
+            self._filesystems[key] = fsspec.url_to_fs(url, **self.storage_options)[0]
+        return self._filesystems[key].open(url, "rb", compression="infer")  # type: ignore[no-any-return]
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
