@@ -1,62 +1,250 @@
-"""Adapts any object with ``state_dict()``/``load_state_dict()`` (torch's ``Stateful``)."""
+"""Adapts objects that save their own position: Hugging Face datasets, torchdata nodes, yours.
+
+NOTE [ Two resume modes ]
+"state": the object's ``state_dict()`` is an exact position; the adapter saves it and
+loads it back, and the worker's checkpoints cover the object's draws from the global
+generators. "replay": the object's state is not exact (a Hugging Face dataset with a
+shuffle buffer drops the buffer on resume), so the adapter saves a restore point (the
+object's state at the epoch start) and the count of items read since, and a restore
+reads them again: O(items since the epoch start). ``resume="auto"`` picks replay for a
+Hugging Face dataset with a shuffle buffer (or whose pipeline it cannot inspect).
+
+NOTE [ The object's own generators in replay mode ]
+A replay must make the draws from the global generators that the first reading made,
+although the worker drew in between (a collate function masking tokens, say). So in
+replay mode the object reads under its own states of ``random``, ``numpy.random`` and
+torch's generator, swapped in around each item (about 20 us) and seeded at each epoch
+start from (loader seed, rank, worker, epoch). A replay reseeds them and reads again.
+
+NOTE [ Epochs of the adapted objects ]
+Each epoch opens on its first item: ``obj.set_epoch(epoch)`` when the object has it, then
+``iter(obj)``. A Hugging Face dataset loads a state only into an iteration of that
+state's epoch, so a new epoch starts afresh in its own shuffle order; it reports a
+loaded position only once it iterates, so until then the adapter reports the position it
+last loaded or reached. A torchdata node is rewound with ``reset()`` at the end of an
+epoch and restored with ``reset(state)``; other objects must stand at their next epoch
+after a full iteration. Hugging Face keeps its epoch in a shared-memory tensor that
+``set_epoch`` reads then adds to, which forked workers would race on, so each worker
+uses its own deep copy (``datasets`` shares the immutable Arrow tables between copies).
+
+NOTE [ Finding a Hugging Face shuffle buffer ]
+``datasets`` cannot say whether a dataset shuffles through a buffer, so the adapter walks
+the private ``_ex_iterable`` chain for a ``BufferShuffledExamplesIterable``; without that
+chain it replays, which is exact for any object. A test pins both outcomes.
+"""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, TypeVar
 
-from ..errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .. import rng
+from ..config import WorkerContext
+from ..errors import ConfigError, StateError
 from .base import SavableDataset
 
 __all__ = ["StatefulDataset", "from_stateful"]
 
 T_co = TypeVar("T_co", covariant=True)
+Resume = Literal["auto", "state", "replay"]
+_STREAM_PURPOSE = 0x57A7E
 
 
-class _Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-    def load_state_dict(self, state_dict: Any, /) -> None: ...
+class _State(BaseModel):
+    """The adapter's state (see the ``State:`` section of :class:`StatefulDataset`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    resume: Literal["state", "replay"]
+    epoch: int = Field(ge=0)
+    obj: Any
+    consumed: int = Field(ge=0)
 
 
 class StatefulDataset(SavableDataset[T_co]):
-    """A savable view of an iterable that follows torch's ``Stateful`` protocol.
+    """A savable view of an iterable that saves its own position.
 
     Args:
-        obj: An iterable with ``state_dict()`` and ``load_state_dict()`` (a Hugging Face
-            ``IterableDataset``, a torchdata node, your own class).
+        obj: A Hugging Face ``datasets.IterableDataset``, a torchdata node
+            (``torchdata.nodes.BaseNode``: ``state_dict()`` and ``reset(state)``) or any
+            iterable with ``state_dict()`` and ``load_state_dict()``. It shards itself
+            over workers, as with torch's ``DataLoader``.
+        resume: "state", "replay" or "auto" (NOTE [ Two resume modes ]).
+
+    Raises:
+        ConfigError: ``obj`` cannot save and load its position, or ``resume`` is unknown.
 
     State:
-        ``obj.state_dict()`` as it is, which must be plain data. The state at
-        construction serves as the initial state, so ``restore_state(None)`` returns to
-        it. The object shards itself over workers (as with torch's ``DataLoader``).
+        ``{"resume", "epoch", "obj", "consumed"}``. In "state" mode ``obj`` is
+        ``obj.state_dict()`` and ``consumed`` 0. In "replay" mode ``obj`` is the
+        object's state at the start of the epoch and ``consumed`` the items read since,
+        which a restore reads again under the epoch's seeded generators.
     """
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, *, resume: Resume = "auto") -> None:
         self.obj: Any = obj
-        if not (
-            callable(getattr(obj, "state_dict", None))
-            and callable(getattr(obj, "load_state_dict", None))
-            and isinstance(obj, Iterable)
-        ):
+        self._node = _has_base(obj, "torchdata.nodes", "BaseNode")
+        self._hf = _has_base(obj, "datasets.iterable_dataset", "IterableDataset")
+        loads = self._node or callable(getattr(obj, "load_state_dict", None))
+        if not (loads and callable(getattr(obj, "state_dict", None)) and isinstance(obj, Iterable)):
             raise ConfigError(
                 f"{type(obj).__name__} is not an iterable with state_dict() and load_state_dict()"
             )
-        self._initial = copy.deepcopy(self.obj.state_dict())
+        if resume not in ("auto", "state", "replay"):
+            raise ConfigError(f"resume must be 'auto', 'state' or 'replay', got {resume!r}")
+        if resume == "auto":
+            resume = "replay" if self._hf and _hf_may_shuffle(obj) else "state"
+        self.resume: Literal["state", "replay"] = resume
+        self._keys = (0, 0, 0)
+        self._stream: rng.RngSnapshot | None = None
+        self._iterator: Iterator[T_co] | None = None
+        self._initial = None if self._node else copy.deepcopy(self.obj.state_dict())
+        self._restart(self._initial, epoch=0, load=False)
 
     def config(self) -> dict[str, Any]:
-        return {"type": "StatefulDataset", "of": f"{type(self.obj).__qualname__}"}
+        return {"type": "StatefulDataset", "of": type(self.obj).__qualname__, "resume": self.resume}
 
-    def save_state(self) -> Any:
-        return self.obj.state_dict()
+    def setup(self, context: WorkerContext) -> None:
+        self._keys = (context.seed, context.rank, context.worker_id)
+        if self._hf and context.num_workers > 0:
+            self.obj = copy.deepcopy(self.obj)  # NOTE [ Epochs of the adapted objects ]
+
+    def save_state(self) -> dict[str, Any]:
+        live = self.resume == "state" and self._iterator is not None
+        return {
+            "resume": self.resume,
+            "epoch": self._epoch,
+            "obj": self.obj.state_dict() if live else self._resting,
+            "consumed": self._consumed if self.resume == "replay" else 0,
+        }
 
     def restore_state(self, state: Any | None) -> None:
-        self.obj.load_state_dict(copy.deepcopy(self._initial if state is None else state))
+        """Returns to ``state`` (None: the object's state at construction, epoch 0).
+
+        Raises:
+            StateError: ``state`` is malformed, was saved in the other mode, or the
+                object refuses it.
+        """
+        if state is None:
+            self._restart(self._initial, epoch=0)
+            return
+        try:
+            saved = _State.model_validate(state)
+        except ValidationError as error:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'state'}: {e['msg']}"
+                for e in error.errors()
+            )
+            raise StateError(
+                f"from_stateful: malformed state ({problems}); restore a state saved by the "
+                "same pipeline"
+            ) from None
+        if saved.resume != self.resume:
+            raise StateError(
+                f"from_stateful: the state was saved with resume={saved.resume!r}, this "
+                f"adapter resumes with {self.resume!r}; build it with resume={saved.resume!r}"
+            )
+        self._restart(saved.obj, epoch=saved.epoch)
+        self._consumed = saved.consumed
 
     def __iter__(self) -> Iterator[T_co]:
-        return iter(self.obj)
+        iterator = self._iterator or self._open()
+        while (item := self._read(iterator)) is not _END:
+            self._consumed += 1
+            yield item
+        if self._node:
+            self.obj.reset()
+        self._restart(self.obj.state_dict(), epoch=self._epoch + 1, load=False)
+
+    def _restart(self, obj_state: Any, *, epoch: int, load: bool = True) -> None:
+        """Stands at ``obj_state``, not opened; ``load`` gives the object a copy to edit."""
+        self._resting = copy.deepcopy(obj_state)
+        if load:
+            try:
+                if self._node:
+                    self.obj.reset(copy.deepcopy(obj_state))
+                else:
+                    self.obj.load_state_dict(copy.deepcopy(obj_state))
+            except (KeyError, TypeError, ValueError, AttributeError) as error:
+                raise StateError(
+                    f"from_stateful: {type(self.obj).__name__} refused the saved state "
+                    f"({type(error).__name__}: {error}); restore a state of the same pipeline"
+                ) from error
+        self._epoch, self._consumed = epoch, 0
+        self._iterator = self._stream = None
+
+    def _open(self) -> Iterator[T_co]:
+        """Starts the epoch's iteration; in replay mode, reads ``consumed`` items again."""
+        set_epoch = getattr(self.obj, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self._epoch)
+        if self.resume == "replay":
+            outer = rng.capture()
+            rng.seed_globals(rng.derive_seed(*self._keys, _STREAM_PURPOSE, self._epoch))
+            self._stream = rng.capture()
+            rng.apply(outer)
+        iterator: Iterator[T_co] = self._read(self.obj, first=True)
+        self._iterator = iterator
+        for read in range(self._consumed):
+            if self._read(iterator) is _END:
+                raise StateError(
+                    f"from_stateful: {type(self.obj).__name__} ended after {read} of the "
+                    f"{self._consumed} items to replay; it does not reproduce its stream"
+                )
+        return iterator
+
+    def _read(self, source: Any, *, first: bool = False) -> Any:
+        """``iter(source)`` if ``first`` else the next item or _END, under the object's
+        own generators in replay mode (NOTE [ The object's own generators ... ])."""
+        stream = self._stream
+        if stream is None:
+            return iter(source) if first else next(source, _END)
+        outer = rng.capture()
+        rng.apply(stream)
+        try:
+            return iter(source) if first else next(source, _END)
+        finally:
+            self._stream = rng.capture()
+            rng.apply(outer)
 
 
-def from_stateful(obj: Any) -> StatefulDataset[Any]:
-    """Wraps ``obj`` (``state_dict()`` + ``load_state_dict()`` + iterable) as a savable dataset."""
-    return StatefulDataset(obj)
+_END: Any = object()
+
+
+def _has_base(obj: Any, module: str, name: str) -> bool:
+    return any(c.__module__.startswith(module) and c.__name__ == name for c in type(obj).__mro__)
+
+
+def _hf_may_shuffle(obj: Any) -> bool:
+    """Whether a Hugging Face dataset shuffles through a buffer (NOTE [ Finding a ... ])."""
+    root = getattr(obj, "_ex_iterable", None)
+    stack = [root]
+    while root is not None and stack:
+        node = stack.pop()
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        inner = [getattr(node, "ex_iterable", None), *(getattr(node, "ex_iterables", None) or [])]
+        stack += [child for child in inner if child is not None]
+    return root is None
+
+
+def from_stateful(obj: Any, *, resume: Resume = "auto") -> StatefulDataset[Any]:
+    """Wraps ``obj`` as a savable dataset that resumes exactly.
+
+    Args:
+        obj: A Hugging Face ``IterableDataset``, a torchdata node, or any iterable with
+            ``state_dict()`` and ``load_state_dict()``.
+        resume: "state" (the object's state is exact), "replay" (restore point plus
+            items to read again; exact for any object) or "auto" (replay for a Hugging
+            Face dataset with a shuffle buffer, state otherwise).
+
+    Returns:
+        The adapter, a :class:`StatefulDataset`.
+
+    Raises:
+        ConfigError: ``obj`` cannot save and load its position, or ``resume`` is unknown.
+    """
+    return StatefulDataset(obj, resume=resume)

@@ -1,0 +1,232 @@
+"""from_stateful over Hugging Face iterable datasets, torchdata nodes and plain objects."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from pipelines import StatefulCounter
+from torch.utils.data import default_collate, get_worker_info
+from torchdata.nodes import IterableWrapper, Mapper
+
+from savable_loader import SavableDataLoader, WorkerConfig, WorkerContext
+from savable_loader.datasets import from_stateful
+from savable_loader.errors import ConfigError, StateError
+from savable_loader.testing import ResumeMismatch, assert_resumes_exactly
+
+slow = pytest.mark.slow
+DENSE = WorkerConfig(checkpoint_share=1.0)
+
+
+def _noise(example: dict[str, Any]) -> dict[str, Any]:
+    """A map function that draws from the global numpy and torch generators."""
+    return {"np": float(np.random.rand()), "torch": float(torch.rand(()))}
+
+
+def _double(example: dict[str, Any]) -> dict[str, Any]:
+    return {"b": 2 * example["a"]}
+
+
+def _hf(*, noisy: bool = False, shuffle: bool = False) -> Any:
+    """30 rows in 6 shards. With ``shuffle``, a map before a shuffle buffer: datasets 5
+    runs it in the threads that read shards ahead, so a map that draws from the global
+    generators goes after the shuffle (there it runs in the consuming thread)."""
+    ds = datasets.Dataset.from_dict({"a": list(range(30))}).to_iterable_dataset(num_shards=6)
+    if shuffle:
+        ds = ds.map(_double).shuffle(seed=7, buffer_size=6)
+    return ds.map(_noise) if noisy else ds
+
+
+class _Shard:
+    """Counts 0..n-1, keeping the items of this worker (a node's source shards itself)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(worker, self.n, workers))
+
+
+class _ReadAhead:
+    """Reads one item ahead and draws its noise when reading it, as a prefetching reader
+    does; its state (items read) loses the item read ahead, like a shuffle buffer's."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        ahead = None
+        while self.pos < self.n:
+            index = self.pos
+            self.pos += 1
+            if index % workers == worker:
+                item = {"i": index, "noise": float(torch.rand(())), "np": np.random.rand()}
+                if ahead is not None:
+                    yield ahead
+                ahead = item
+        if ahead is not None:
+            yield ahead
+        self.pos = 0
+
+
+def _node() -> Any:
+    return Mapper(IterableWrapper(_Shard(25)), lambda i: {"i": i, "noise": torch.rand(2)})
+
+
+def _check(make: Any, *, num_workers: int, dense: bool = True, **kwargs: Any) -> Any:
+    config = DENSE if dense else WorkerConfig()
+    return assert_resumes_exactly(
+        lambda: SavableDataLoader(
+            make(), batch_size=2, num_workers=num_workers, worker_config=config
+        ),
+        **kwargs,
+    )
+
+
+BUILDS = {
+    "hf": lambda: from_stateful(_hf()),
+    "hf_map_rng": lambda: from_stateful(_hf(noisy=True)),
+    "hf_map_rng_replay": lambda: from_stateful(_hf(noisy=True), resume="replay"),
+    "hf_shuffle": lambda: from_stateful(_hf(shuffle=True)),
+    "hf_shuffle_map_rng": lambda: from_stateful(_hf(shuffle=True, noisy=True)),
+    "node": lambda: from_stateful(_node()),
+    "node_replay": lambda: from_stateful(_node(), resume="replay"),
+    "plain": lambda: from_stateful(StatefulCounter(15)),
+    "plain_replay": lambda: from_stateful(StatefulCounter(15), resume="replay"),
+    "read_ahead_replay": lambda: from_stateful(_ReadAhead(17), resume="replay"),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_resumes_exactly_without_workers(name):
+    report = _check(BUILDS[name], num_workers=0, num_points=8)
+    assert len(report.items_per_epoch) == 2
+    assert all(count > 0 for count in report.items_per_epoch)
+
+
+@slow
+@pytest.mark.parametrize(
+    "name", ["hf", "hf_map_rng_replay", "hf_shuffle_map_rng", "node", "read_ahead_replay"]
+)
+def test_resumes_exactly_with_three_workers(name):
+    _check(BUILDS[name], num_workers=3, num_points=3, chain_items=(1,))
+
+
+@slow
+def test_resumes_exactly_with_default_checkpoints():
+    """Sparse checkpoints: the loader replays on top of the adapter's own replay."""
+    _check(BUILDS["hf_shuffle_map_rng"], num_workers=3, dense=False, num_points=3, chain_items=(2,))
+
+
+def _noisy_collate(batch: list[Any]) -> Any:
+    return default_collate(batch), torch.rand(1)
+
+
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow)])
+def test_replay_keeps_draws_made_around_the_object(num_workers):
+    """The collate function draws between items: a replay still makes the same draws."""
+    assert_resumes_exactly(
+        lambda: SavableDataLoader(
+            from_stateful(_ReadAhead(17), resume="replay"),
+            batch_size=2,
+            num_workers=num_workers,
+            collate_fn=_noisy_collate,
+            worker_config=DENSE,
+        ),
+        num_points=4,
+        chain_items=(1,),
+    )
+
+
+def test_epochs_differ_with_shuffle():
+    loader = SavableDataLoader(from_stateful(_hf(shuffle=True)), batch_size=None)
+    first, second = ([item["a"] for item in loader] for _ in range(2))
+    assert sorted(first) == sorted(second) == list(range(30))
+    assert first != second
+
+
+def test_hugging_face_state_with_shuffle_buffer_is_not_exact():
+    """HF's own state loses its shuffle buffer: the replay mode is needed."""
+    with pytest.raises(ResumeMismatch):
+        _check(lambda: from_stateful(_hf(shuffle=True), resume="state"), num_workers=0)
+
+
+def test_inexact_state_of_a_plain_object_needs_replay():
+    """Replay runs from the restore point's generators: the item read ahead draws again."""
+    with pytest.raises(ResumeMismatch):
+        _check(lambda: from_stateful(_ReadAhead(17)), num_workers=0)
+
+
+def test_each_worker_sets_its_own_hugging_face_epoch():
+    dataset = from_stateful(_hf())
+    original = dataset.obj
+    dataset.setup(
+        WorkerContext(rank=0, world_size=1, worker_id=1, num_workers=3, seed=0, batch_size=2)
+    )
+    dataset.obj.set_epoch(4)
+    assert dataset.obj is not original
+    assert (dataset.obj.epoch, original.epoch) == (4, 0)
+
+
+def test_auto_mode():
+    assert from_stateful(_hf()).resume == "state"
+    assert from_stateful(_hf(noisy=True)).resume == "state"
+    assert from_stateful(_hf(shuffle=True)).resume == "replay"
+    assert from_stateful(_hf(shuffle=True, noisy=True)).resume == "replay"
+    assert from_stateful(_node()).resume == "state"
+    assert from_stateful(StatefulCounter(3)).resume == "state"
+    assert from_stateful(_hf(), resume="replay").config()["resume"] == "replay"
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="resume must be"):
+        from_stateful(_hf(), resume="fast")
+    with pytest.raises(ConfigError, match="state_dict"):
+        from_stateful([1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        "nonsense",
+        {"epoch": 0},
+        {"resume": "replay", "epoch": -1, "obj": None, "consumed": 0},
+        {"resume": "replay", "epoch": 0, "obj": None, "consumed": "3"},
+        {"resume": "replay", "epoch": True, "obj": None, "consumed": 0},
+        {"resume": "state", "epoch": 0, "obj": None, "consumed": 0},
+        {"resume": "replay", "epoch": 0, "obj": None, "consumed": 0, "rng": None},
+    ],
+)
+def test_malformed_state(state):
+    with pytest.raises(StateError, match="from_stateful"):
+        from_stateful(_hf(shuffle=True)).restore_state(state)
+
+
+def test_state_the_object_refuses():
+    with pytest.raises(StateError, match="refused the saved state"):
+        from_stateful(_node()).restore_state(
+            {"resume": "state", "epoch": 0, "obj": {}, "consumed": 0}
+        )
+
+
+def test_replay_past_the_end():
+    dataset = from_stateful(StatefulCounter(4), resume="replay")
+    state = dataset.save_state()
+    dataset.restore_state({**state, "consumed": 9})
+    with pytest.raises(StateError, match="ended after 4 of the 9 items"):
+        next(iter(dataset))
