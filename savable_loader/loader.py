@@ -91,6 +91,7 @@ __all__ = ["SavableDataLoader"]
 logger = logging.getLogger(__name__)
 
 _BASE_SEED_PURPOSE = 0xBA5E
+_MAX_COUNTER = 2**63 - 1
 
 
 def _identity(event: Any) -> Any:
@@ -618,7 +619,7 @@ class SavableDataLoader(DataLoader[Any]):
                 f"load_state_dict takes the dict state_dict() returned, got "
                 f"{type(state_dict).__name__}"
             )
-        if "format_version" in state_dict:
+        if "format_version" in state_dict or state_dict.keys() & RankState.model_fields.keys():
             self.restore_state_rank(RankState.from_plain(state_dict))
             return
         key = _state_key(self.rank)
@@ -638,6 +639,7 @@ class SavableDataLoader(DataLoader[Any]):
         self.restore_state_rank(state)
 
     def _check_compatible(self, state: RankState) -> None:
+        _check_plausible(state)
         checks = [
             ("world_size", state.world_size, self.world_size, "run with the same number of ranks"),
             ("rank", state.rank, self.rank, "restore each rank's own state"),
@@ -804,6 +806,33 @@ def _check_arguments(
         )
     if not isinstance(seed, int):
         raise ConfigError(f"seed must be an int, got {seed!r}")
+
+
+def _check_plausible(state: RankState) -> None:
+    """Refuses counters no run can reach: a hand-edited or corrupted state.
+
+    Raises:
+        StateFormatError: A counter is beyond int64, or a worker without a checkpoint
+            (one that never started) claims to have delivered events.
+    """
+    counters = [("epoch", state.epoch)]
+    for worker in state.workers:
+        at = f"workers[{worker.worker_id}]"
+        counters.append((f"{at}.delivered", worker.delivered))
+        if worker.checkpoint is not None:
+            counters.append((f"{at}.checkpoint.seq", worker.checkpoint.seq))
+        elif worker.delivered or worker.ended:
+            raise StateFormatError(
+                f"invalid loader state: {at} has delivered={worker.delivered}, "
+                f"ended={worker.ended} but no checkpoint; a worker without a checkpoint never "
+                "started, so it delivered nothing. The state was edited or corrupted"
+            )
+    for name, value in counters:
+        if value > _MAX_COUNTER:
+            raise StateFormatError(
+                f"invalid loader state: {name} is {value}, beyond any run (at most 2**63-1); "
+                "the state was edited or corrupted"
+            )
 
 
 def _qualname(function: Callable[..., Any] | None) -> str | None:
