@@ -42,3 +42,28 @@ def test_error_hierarchy():
     assert issubclass(errors.ConfigError, ValueError)
     assert issubclass(errors.WorkerError, RuntimeError)
     assert issubclass(errors.StateMismatchError, errors.StateError)
+
+
+def test_datasets_all_is_sorted_and_pinned():
+    import savable_loader.datasets as datasets
+
+    assert datasets.__all__ == sorted(datasets.__all__)
+    assert datasets.__all__ == [
+        "Blend",
+        "Cursor",
+        "Filter",
+        "IndexedDataset",
+        "JsonLinesSource",
+        "Limit",
+        "Map",
+        "Repeat",
+        "SavableDataset",
+        "Shuffle",
+        "Stage",
+        "StatefulDataset",
+        "TarSource",
+        "TokenSource",
+        "from_stateful",
+    ]
+    for name in datasets.__all__:
+        assert hasattr(datasets, name)
