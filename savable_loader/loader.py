@@ -72,7 +72,7 @@ from ._worker import END, ERROR, PLACEHOLDER, Failure, RuntimeSpec, WorkerStart,
 from .config import WorkerConfig, WorkerContext
 from .datasets.base import SavableDataset
 from .datasets.indexed import IndexedDataset, shard_length
-from .datasets.stateful import StatefulDataset
+from .datasets.stateful import StatefulDataset, is_stateful
 from .errors import (
     ConfigError,
     DatasetError,
@@ -732,9 +732,7 @@ def _as_savable(dataset: Any, *, shuffle: bool | None, seed: int) -> SavableData
     ):
         _no_shuffle(dataset, shuffle)
         return cast("SavableDataset[Any]", dataset)
-    if callable(getattr(dataset, "state_dict", None)) and callable(
-        getattr(dataset, "load_state_dict", None)
-    ):
+    if is_stateful(dataset):
         _no_shuffle(dataset, shuffle)
         return StatefulDataset(dataset)
     if isinstance(dataset, IterableDataset):

@@ -105,6 +105,8 @@ BUILDS = {
     "hf_shuffle": lambda: from_stateful(_hf(shuffle=True)),
     "hf_shuffle_map_rng": lambda: from_stateful(_hf(shuffle=True, noisy=True)),
     "node": lambda: from_stateful(_node()),
+    "node_given_as_is": _node,
+    "hf_given_as_is": lambda: _hf(shuffle=True),
     "node_replay": lambda: from_stateful(_node(), resume="replay"),
     "plain": lambda: from_stateful(StatefulCounter(15)),
     "plain_replay": lambda: from_stateful(StatefulCounter(15), resume="replay"),

@@ -46,7 +46,7 @@ from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from .base import SavableDataset
 
-__all__ = ["StatefulDataset", "from_stateful"]
+__all__ = ["StatefulDataset", "from_stateful", "is_stateful"]
 
 T_co = TypeVar("T_co", covariant=True)
 Resume = Literal["auto", "state", "replay"]
@@ -212,6 +212,15 @@ class StatefulDataset(SavableDataset[T_co]):
 
 
 _END: Any = object()
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether :func:`from_stateful` adapts ``obj``: ``state_dict()`` and either
+    ``load_state_dict()`` or, for a torchdata node, ``reset(state)``."""
+    return callable(getattr(obj, "state_dict", None)) and (
+        callable(getattr(obj, "load_state_dict", None))
+        or _has_base(obj, "torchdata.nodes", "BaseNode")
+    )
 
 
 def _has_base(obj: Any, module: str, name: str) -> bool:
