@@ -113,11 +113,12 @@ class IndexedCursor(Cursor[T]):
         self._order: tuple[int, np.ndarray | None] = (-1, None)
 
     def __next__(self) -> T:
-        if self.pos >= self.shard_length:
+        pos = self.pos
+        if pos >= self.shard_length:
             self.end_epoch()
             raise StopIteration
-        index = self.index(self.pos)
-        self.pos += 1
+        index = int(self._indices()[pos])
+        self.pos = pos + 1
         return self.stage.data[index]
 
     def state(self) -> dict[str, int]:
@@ -143,16 +144,20 @@ class IndexedCursor(Cursor[T]):
 
     def index(self, pos: int) -> int:
         """The dataset index at position ``pos`` of this worker's shard in this epoch."""
-        global_pos = global_position(pos, self.context)
-        return int(self._permutation()[global_pos]) if self.stage.shuffled else global_pos
+        return int(self._indices()[pos])
 
-    def _permutation(self) -> np.ndarray:
-        epoch, order = self._order
-        if epoch != self.epoch or order is None:
-            seed = derive_seed(self.stage.seed, _PERMUTATION_PURPOSE, self.epoch)
-            order = np.random.default_rng(seed).permutation(len(self.stage.data))
-            self._order = (self.epoch, order)
-        return order
+    def _indices(self) -> np.ndarray:
+        """This worker's dataset indices for the current epoch, computed once per epoch
+        (one array operation instead of arithmetic per item)."""
+        epoch, indices = self._order
+        if epoch != self.epoch or indices is None:
+            positions = global_position(np.arange(self.shard_length, dtype=np.int64), self.context)
+            if self.stage.shuffled:
+                seed = derive_seed(self.stage.seed, _PERMUTATION_PURPOSE, self.epoch)
+                positions = np.random.default_rng(seed).permutation(len(self.stage.data))[positions]
+            indices = positions
+            self._order = (self.epoch, indices)
+        return indices
 
 
 def _parse(state: Any) -> _State:
@@ -176,8 +181,9 @@ def shard_length(length: int, context: WorkerContext) -> int:
     return result
 
 
-def global_position(pos: int, context: WorkerContext) -> int:
-    """The epoch-wide position of item ``pos`` of ``context``'s worker shard."""
+def global_position(pos: Any, context: WorkerContext) -> Any:
+    """The epoch-wide position of item ``pos`` of ``context``'s worker shard (an int, or
+    element-wise for an integer array)."""
     block = _block(context)
     workers = max(context.num_workers, 1)
     rank_pos = (context.worker_id + (pos // block) * workers) * block + pos % block
