@@ -57,7 +57,9 @@ errors (StateError, StorageError, ...) keep their type.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -92,6 +94,7 @@ logger = logging.getLogger(__name__)
 
 _BASE_SEED_PURPOSE = 0xBA5E
 _MAX_COUNTER = 2**63 - 1
+_DEATH_GRACE_SECONDS = 2.0
 
 
 def _identity(event: Any) -> Any:
@@ -368,9 +371,17 @@ class SavableDataLoader(DataLoader[Any]):
         """Turns an error into :class:`WorkerError` (stopping the rest) if workers died.
 
         Torch's SIGCHLD handler raises RuntimeError in the main thread wherever it is when
-        a worker dies, so the error may come from any wait, ours included.
+        a worker dies, so the error may come from any wait, ours included. A broken
+        connection can arrive before the dying worker can be reaped (the kernel closes its
+        files first), so such an error waits a moment for the death to show.
         """
         dead = self._dead_workers()
+        if not dead and isinstance(error, (OSError, EOFError)):
+            deadline = time.monotonic() + _DEATH_GRACE_SECONDS
+            while not dead and time.monotonic() < deadline:
+                with contextlib.suppress(RuntimeError):  # torch's SIGCHLD handler: a death
+                    time.sleep(0.02)
+                dead = self._dead_workers()
         if not dead:
             return
         self._stop_stream()
