@@ -1,33 +1,41 @@
-"""The ``savable-loader`` command: ``demo`` and ``inspect``.
+"""The ``savable-loader`` command: ``demo``, ``inspect`` and ``verify``.
 
 ``savable-loader demo`` trains a small model over a synthetic pipeline with worker
 processes, kills the run with SIGKILL part way, resumes it in a new process from the last
 saved state, and checks that the resumed stream of batches is the uninterrupted one
 (NOTE [ Demo ] in ``_demo.py``). ``savable-loader inspect URL`` prints what a state file
-holds. Reports go to stdout, errors to stderr as one line; exit codes: 0 success, 1 the
-demo found a difference (or a demo process failed), 2 bad usage or an unreadable state.
+holds. ``savable-loader verify MODULE:FACTORY`` runs the resume-equivalence check
+(:func:`savable_loader.testing.verify`) on a user's pipeline. Reports go to stdout, errors
+to stderr as one line; exit codes: 0 success, 1 the demo or the check found a difference
+(or a demo process failed), 2 bad usage, an unreadable state or a factory that cannot be
+loaded.
 
-This module is past 400 lines because it holds both commands' reports, which are most of
-it; the demo's pipeline and the code of its child processes live in ``_demo.py``.
+This module is past 400 lines because it holds the commands' reports, which are most of
+it; the demo's pipeline and the code of its child processes live in ``_demo.py``, the
+check itself in ``testing.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.util
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
+from tqdm import tqdm
 
 from . import serialization, storage
 from ._demo import (
@@ -40,11 +48,14 @@ from ._demo import (
     summarize_ms,
 )
 from ._version import __version__
-from .errors import SavableLoaderError
+from .errors import ConfigError, SavableLoaderError
 from .state.files import state_from_payload
 from .state.models import RankState, WorkerState
+from .testing import ResumeMismatch, VerifyReport, verify
 
 __all__ = ["main"]
+
+logger = logging.getLogger(__name__)
 
 _PROG = "savable-loader"
 _CHILD_TIMEOUT = 180.0
@@ -75,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{_PROG} {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    commands = parser.add_subparsers(dest="command", metavar="{demo,inspect}", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="{demo,inspect,verify}", required=True)
 
     demo = commands.add_parser(
         "demo",
@@ -102,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("url", help="a local path or an fsspec URL (s3://..., memory://...)")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    _verify_parser(commands)
 
     child = commands.add_parser("demo-child")  # internal: one process of the demo
     child.add_argument("mode", choices=("reference", "interrupted", "resumed"))
@@ -133,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments (default: ``sys.argv[1:]``).
 
     Returns:
-        0 on success, 1 when the demo fails, 2 on bad usage or an unreadable state.
+        0 on success, 1 when the demo or the check fails, 2 on bad usage, an unreadable
+        state or a factory that cannot be loaded.
     """
     parser = _parser()
     try:
@@ -144,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if args.command == "verify":
+        return _verify(args)
     if args.command == "inspect":
         try:
             return _inspect(args.url, as_json=args.json)
@@ -328,6 +344,262 @@ def _compact(worker: dict[str, Any]) -> str:
     if len(text) > _STATE_WIDTH:
         text = text[: _STATE_WIDTH - 3] + "..."
     return f"{text} ({worker['dataset_state_bytes']} B)"
+
+
+# -- verify ---------------------------------------------------------------------------
+
+
+def _verify_parser(commands: Any) -> None:
+    verify_ = commands.add_parser(
+        "verify",
+        help="check that your pipeline resumes exactly from any save point",
+        description=(
+            "Import FACTORY from MODULE (a module name or a path to a .py file), build "
+            "loaders over what it returns (a dataset, or a SavableDataLoader used as "
+            "given), save at many points of an uninterrupted run, restore each state into "
+            "a fresh loader and check that it yields exactly the rest of the stream. Exit 0 "
+            "when every restore does, 1 with the first divergence, 2 on bad usage."
+        ),
+    )
+    verify_.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        help="e.g. my_project.data:build_dataset or path/to/pipeline.py:build",
+    )
+    verify_.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes (default 2); not with a factory that returns a loader",
+    )
+    verify_.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="B",
+        help="items per batch (default: items one by one); not with a factory that returns "
+        "a loader",
+    )
+    verify_.add_argument(
+        "--points",
+        type=int,
+        default=6,
+        metavar="K",
+        help="random save points, besides the first and last item of every epoch and the "
+        "epoch boundaries (default 6)",
+    )
+    verify_.add_argument(
+        "--epochs", type=int, default=2, metavar="E", help="epochs of the reference run (default 2)"
+    )
+    verify_.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed of the choice of save points (default 0)",
+    )
+    verify_.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+class _UsageError(Exception):
+    """MODULE:FACTORY cannot be loaded; the message says why, in one line."""
+
+
+class _FactoryFailed(Exception):
+    """The user's factory raised ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _load_factory(target: str) -> Callable[[], Any]:
+    """Imports ``MODULE:FACTORY``; MODULE is a module name or a path to a .py file."""
+    module_name, colon, attribute = target.rpartition(":")
+    if not colon or not module_name or not attribute:
+        raise _UsageError(
+            f"{target!r} is not MODULE:FACTORY (for example my_project.data:build_dataset "
+            "or path/to/pipeline.py:build)"
+        )
+    module = _import(module_name)
+    factory: Any = module
+    for part in attribute.split("."):
+        try:
+            factory = getattr(factory, part)
+        except AttributeError:
+            raise _UsageError(f"{module_name} has no attribute {attribute!r}") from None
+    if not callable(factory):
+        raise _UsageError(f"{target} is a {type(factory).__name__}, not a callable")
+    return cast("Callable[[], Any]", factory)
+
+
+def _import(name: str) -> Any:
+    if name.endswith(".py") or "/" in name or os.sep in name:
+        return _import_file(Path(name))
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as ``python -m`` does
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        logger.debug("importing %s failed", name, exc_info=True)
+        raise _UsageError(f"cannot import {name!r}: {error}") from None
+    except Exception as error:
+        logger.debug("importing %s failed", name, exc_info=True)
+        raise _UsageError(
+            f"importing {name!r} raised {type(error).__name__}: {_brief(error)}"
+        ) from None
+
+
+def _import_file(path: Path) -> Any:
+    if not path.is_file():
+        raise _UsageError(f"{path}: no such file")
+    path = path.resolve()
+    # Its folder goes on sys.path so that worker processes started with spawn or
+    # forkserver import the module (and the classes pickled from it) by its name.
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+        return loaded
+    if loaded is not None or not name.isidentifier():
+        name = f"_savable_loader_verify_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise _UsageError(f"{path}: not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        del sys.modules[name]
+        logger.debug("importing %s failed", path, exc_info=True)
+        raise _UsageError(
+            f"importing {path} raised {type(error).__name__}: {_brief(error)}"
+        ) from None
+    return module
+
+
+def _brief(error: BaseException) -> str:
+    """One line for an error; a worker's error keeps its first and last line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 2 and any(line.startswith("Original Traceback") for line in lines):
+        return f"{lines[0]} {lines[-1]}"
+    return "; ".join(lines)
+
+
+class _Bar:
+    """A tqdm progress bar on stderr, made on the first update."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def update(self, done: int, total: int) -> None:
+        if self._bar is None:
+            self._bar = tqdm(
+                total=total,
+                desc="verify",
+                unit="run",
+                file=sys.stderr,
+                leave=False,
+                ncols=min(shutil.get_terminal_size().columns, 100),  # 80 if it reports 0
+            )
+        self._bar.total = total
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _verify(args: argparse.Namespace) -> int:
+    prefix = f"{_PROG} verify"
+    try:
+        factory = _load_factory(args.target)
+    except _UsageError as error:
+        _err(f"{prefix}: error: {error}")
+        return 2
+
+    def guarded() -> Any:
+        try:
+            return factory()
+        except Exception as error:
+            raise _FactoryFailed(error) from error
+
+    _out(
+        f"{prefix} {args.target}: {_epochs(args.epochs)}, "
+        f"{_plural(args.points, 'random save point')} (seed {args.seed}) and the fixed ones"
+    )
+    bar = _Bar()
+    show = not args.no_progress and sys.stderr.isatty()
+    try:
+        report = verify(
+            guarded,
+            num_workers=args.num_workers,
+            batch_size=args.batch_size,
+            points=args.points,
+            epochs=args.epochs,
+            seed=args.seed,
+            progress=bar.update if show else None,
+        )
+    except _FactoryFailed as failed:
+        logger.debug("the factory raised", exc_info=failed.error)
+        cause = failed.error
+        _err(f"{prefix}: error: {args.target} raised {type(cause).__name__}: {_brief(cause)}")
+        return 2
+    except ConfigError as error:
+        _err(f"{prefix}: error: {_brief(error)}")
+        return 2
+    except ResumeMismatch as mismatch:
+        _out(f"DIVERGED {mismatch}" if mismatch.point else f"FAILED: {mismatch}")
+        return 1
+    except Exception as error:
+        logger.debug("the check raised", exc_info=True)
+        _out(f"FAILED: the check raised {type(error).__name__}: {_brief(error)}")
+        return 1
+    finally:
+        bar.close()
+    for line in _verify_summary(report):
+        _out(line)
+    return 0 if sum(report.items_per_epoch) else 1
+
+
+def _verify_summary(report: VerifyReport) -> Iterator[str]:
+    items = sum(report.items_per_epoch)
+    if not items:
+        yield f"FAILED: nothing to check, the pipeline yielded no items in {report.epochs} epochs"
+    else:
+        yield "OK: every restored loader continued the uninterrupted stream exactly"
+    where = _plural(report.num_workers, "worker") if report.num_workers else "no workers"
+    batch = "items one by one" if report.batch_size is None else f"batch size {report.batch_size}"
+    if report.checkpoint_share >= 1:
+        checkpoints = "every item checkpointed"
+    else:
+        checkpoints = f"checkpoint_share={report.checkpoint_share:g}, replays may hide bugs"
+    yield _field("pipeline", f"{report.pipeline}; {where}, {batch}, {checkpoints}")
+    unit = "items" if report.batch_size is None and not report.from_loader else "batches"
+    per_epoch = ", ".join(str(n) for n in report.items_per_epoch)
+    yield _field(f"{unit} per epoch", f"{per_epoch} ({_epochs(report.epochs)})")
+    after_items = len(report.save_points) - report.boundary_points
+    yield _field(
+        "save points",
+        f"{len(report.save_points)} checked ({after_items} after items: random, first and "
+        f"last of each epoch; {report.boundary_points} boundaries: before iter(), after "
+        "iter(), after StopIteration)",
+    )
+    yield _field("chains", f"{report.chains} (restore, consume, save, restore again)")
+    yield _field("restores", str(report.restores))
+    yield _field("time", f"{report.seconds:.1f} s")
+
+
+def _epochs(count: int) -> str:
+    return "1 epoch" if count == 1 else f"{count} epochs"
+
+
+def _field(name: str, value: str) -> str:
+    return f"  {name + ':':<18} {value}"
 
 
 # -- demo -----------------------------------------------------------------------------
