@@ -74,11 +74,16 @@ import numpy as np
 os.makedirs("data")
 os.makedirs("tokens")
 for part in range(4):
-    lines = [json.dumps({"text": f"document {part}-{i} " * 4}) for i in range(8)]
+    lines = [
+        json.dumps({"text": f"document {part}-{i} " * 4, "lang": "en" if i % 3 else "fr"})
+        for i in range(8)
+    ]
     with gzip.open(f"data/part-{part}.jsonl.gz", "wt") as file:
         file.write("\\n".join(lines) + "\\n")
     np.arange(4 * 2048, dtype=np.uint16).tofile(f"tokens/part-{part}.bin")
-tokenize = lambda record: np.frombuffer(record["text"].encode(), dtype=np.uint8).astype(np.int64)
+def tokenize(record):
+    ids = np.frombuffer(record["text"].encode(), dtype=np.uint8).astype(np.int64)
+    return np.pad(ids, (0, 2048 - len(ids)))
 """,
 }
 EXTERNAL_SKIP = {
