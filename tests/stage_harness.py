@@ -38,6 +38,6 @@ def check_stage(
             **loader_kwargs,
         )
 
-    report = assert_resumes_exactly(loader, epochs=epochs, num_points=num_points)
+    report = assert_resumes_exactly(loader, epochs=epochs, num_points=num_points, last_items=True)
     assert sum(report.items_per_epoch) > 0, "the pipeline produced nothing"
     return report

@@ -90,12 +90,6 @@ EXTERNAL_SKIP = {
     ("README.md", "states = loader.save_state_global(global_dst_rank=0)"): (
         "several ranks and an S3 bucket; the torchrun and S3 how-tos run the same calls"
     ),
-    ("docs/how-to/verify.md", "# my_project/data.py"): (
-        "a factory in a hypothetical my_project package"
-    ),
-    ("docs/how-to/verify.md", "from savable_loader.testing import verify"): (
-        "imports the hypothetical my_project package"
-    ),
 }
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^`]*$")
