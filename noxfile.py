@@ -66,7 +66,9 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run every ``benchmarks/bench_*.py`` in name order; extra arguments go to each."""
     install_project(session)
-    session.install("matplotlib")
+    # bench_peers.py: plots (matplotlib), generated JPEGs (pillow) and the peer loaders.
+    # The project's torch is installed first, so Energon does not pull another build.
+    session.install("matplotlib", "pillow", "torchdata>=0.10", "megatron-energon")
     scripts = sorted(Path("benchmarks").glob("bench_*.py"))
     if not scripts:
         session.error("no benchmarks/bench_*.py scripts found")
