@@ -288,8 +288,8 @@ def test_page_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
     @functools.wraps(original)
     def tracked(self: SavableDataLoader, *args: Any, **kwargs: Any) -> None:
-        loaders.append(self)
         original(self, *args, **kwargs)
+        loaders.append(self)  # only loaders that were built (a refused one owns nothing)
 
     monkeypatch.setattr(SavableDataLoader, "__init__", tracked)
     name = "docs_" + re.sub(r"\W", "_", page.removesuffix(".md"))
