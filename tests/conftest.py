@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
+from s3_server import S3, moto_server, s3_access
 
 # NOTE [ Hypothesis profiles ]
 # "ci" (the default) is reproducible: derandomized, no deadline (multi-process
@@ -123,3 +124,22 @@ def _no_leaked_child_processes() -> Iterator[None]:
             f"after the test (now terminated):\n{details}",
             pytrace=False,
         )
+
+
+# NOTE [ S3 fixtures ]
+# ``endpoint_url`` runs moto's S3 server on loopback once per test module that asks for
+# it; ``s3`` gives a test its own bucket and credentials (tests/s3_server.py).
+
+
+@pytest.fixture(scope="module")
+def endpoint_url() -> Iterator[str]:
+    """Runs moto's S3 server on 127.0.0.1 (a free port); stops it after the module."""
+    with moto_server() as url:
+        yield url
+
+
+@pytest.fixture
+def s3(endpoint_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
+    """A bucket of its own on the module's S3 server, reachable as :class:`S3` says."""
+    with s3_access(endpoint_url, monkeypatch) as access:
+        yield access

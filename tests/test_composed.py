@@ -7,14 +7,13 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
-from s3_server import S3, S3FS_WARNINGS, moto_server, s3_access
+from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 
 from savable_loader import SavableDataLoader
@@ -126,18 +125,6 @@ def test_state_is_small_and_does_not_grow_with_the_items(tmp_path: Path) -> None
 
 
 # The same pipeline on S3, through a loopback moto server.
-
-
-@pytest.fixture(scope="module")
-def endpoint_url() -> Iterator[str]:
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture
-def s3(endpoint_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
-    with s3_access(endpoint_url, monkeypatch) as access:
-        yield access
 
 
 @S3FS_WARNINGS

@@ -8,13 +8,12 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
-from s3_server import S3, S3FS_WARNINGS, moto_server, s3_access
+from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 
 from savable_loader import ConfigError, SavableDataLoader, StateError, StorageError, WorkerContext
@@ -334,18 +333,6 @@ def test_memory_urls() -> None:
 
 
 # S3, through a loopback moto server.
-
-
-@pytest.fixture(scope="module")
-def endpoint_url() -> Iterator[str]:
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture
-def s3(endpoint_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
-    with s3_access(endpoint_url, monkeypatch) as access:
-        yield access
 
 
 def _upload(s3: S3) -> str:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import s3fs
-from s3_server import BUCKET, S3, S3FS_WARNINGS, moto_server, s3_access
+from s3_server import BUCKET, S3, S3FS_WARNINGS
 
 from savable_loader import (
     RankState,
@@ -30,19 +29,6 @@ from savable_loader.cli import main
 from savable_loader.errors import StateFormatError, StorageError
 
 pytestmark = [S3FS_WARNINGS]
-
-
-@pytest.fixture(scope="module")
-def endpoint_url() -> Iterator[str]:
-    """Runs moto's S3 server on 127.0.0.1 (a free port) with one bucket; stops it after."""
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture
-def s3(endpoint_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
-    with s3_access(endpoint_url, monkeypatch) as access:
-        yield access
 
 
 def _batches(iterable: Any) -> list[list[int]]:

@@ -7,13 +7,12 @@ import io
 import logging
 import re
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
-from s3_server import S3, S3FS_WARNINGS, moto_server, s3_access
+from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 
 from savable_loader import ConfigError, SavableDataLoader, StateError, StorageError, WorkerContext
@@ -319,18 +318,6 @@ def test_a_truncated_shard_is_a_storage_error_and_a_retry_starts_the_sample_agai
 
 
 # S3, through a loopback moto server.
-
-
-@pytest.fixture(scope="module")
-def endpoint_url() -> Iterator[str]:
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture
-def s3(endpoint_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
-    with s3_access(endpoint_url, monkeypatch) as access:
-        yield access
 
 
 def test_s3_shards_resume_exactly(s3: S3) -> None:

@@ -32,7 +32,7 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
-from ._shards import ShardCursor, ShardedSource, Urls, storage_errors
+from ._shards import ShardCursor, ShardedSource, storage_errors
 from .stage import StageState, validate_state
 
 __all__ = ["TarSource"]
@@ -73,18 +73,6 @@ class TarSource(ShardedSource[dict[str, Any]]):
         (NOTE [ Tar position ]). Restore seeks there and reads on; nothing is replayed
         beyond what the loader's checkpoint policy replays. ``can_skip()`` is False.
     """
-
-    def __init__(
-        self,
-        urls: Urls,
-        *,
-        shuffle_shards: bool = False,
-        seed: int = 0,
-        storage_options: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(
-            urls, shuffle_shards=shuffle_shards, seed=seed, storage_options=storage_options
-        )
 
     def cursor(self, context: WorkerContext) -> TarCursor:
         return TarCursor(self, context)
