@@ -20,7 +20,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "typing", "tests"]
 
 DEFAULT_TORCH = "torch==2.13.0"
-LINT_PATHS = ("savable_loader", "tests", "benchmarks")
+LINT_PATHS = ("savable_loader", "tests", "benchmarks", "examples", "noxfile.py")
 
 
 def install_project(session: nox.Session, *extras: str) -> None:
