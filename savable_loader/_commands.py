@@ -15,7 +15,7 @@ loader discards answers to requests it gave up on.
 Every wait in :meth:`CommandChannel.request` has a deadline and checks, a few times a
 second, that the worker is alive: a dead or hung worker raises :class:`WorkerError`
 naming it, never hangs. Commands are a name plus plain arguments, so the set is open:
-``checkpoint`` and ``stats`` today.
+``checkpoint``, ``stats`` and ``progress`` today.
 """
 
 from __future__ import annotations
@@ -30,12 +30,24 @@ from typing import Any
 
 from .errors import WorkerError
 
-__all__ = ["CommandChannel", "CommandServer"]
+__all__ = ["CommandChannel", "CommandServer", "NoAnswerError"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.05
 Handler = Callable[[dict[str, Any]], Any]
+
+
+class NoAnswerError(WorkerError):
+    """A worker did not answer a command in time: its process is alive but unresponsive.
+
+    Attributes:
+        worker_id: The worker that did not answer.
+    """
+
+    def __init__(self, message: str, *, worker_id: int) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
 
 
 class CommandChannel:
@@ -99,9 +111,10 @@ class CommandChannel:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WorkerError(
+                raise NoAnswerError(
                     f"worker {worker_id} did not answer {name!r} within {timeout:g} s; it may "
-                    "be hung (raise WorkerConfig(command_timeout=...) if it is only slow)"
+                    "be hung (raise WorkerConfig(command_timeout=...) if it is only slow)",
+                    worker_id=worker_id,
                 )
             try:
                 ready = results.poll(min(_POLL_SECONDS, remaining))
@@ -141,13 +154,21 @@ class CommandServer:
 
     Requests that arrive before :meth:`ready` (the worker is still restoring) wait for
     it; if the worker failed to start, :meth:`fail` makes every request answer with
-    that failure.
+    that failure. Commands in ``immediate`` (``progress``) are answered at once, even
+    while the worker starts: they read nothing the start-up builds.
     """
 
-    def __init__(self, commands: Any, results: Any, handlers: dict[str, Handler]) -> None:
+    def __init__(
+        self,
+        commands: Any,
+        results: Any,
+        handlers: dict[str, Handler],
+        immediate: dict[str, Handler] | None = None,
+    ) -> None:
         self._commands = commands[0]
         self._results = results[1]
         self._handlers = handlers
+        self._immediate = immediate or {}
         self._ready = threading.Event()
         self._failure: str | None = None
         self._thread = threading.Thread(
@@ -173,17 +194,23 @@ class CommandServer:
             if request is None:
                 return
             request_id, name, arguments = request
-            self._ready.wait()
             try:
-                if self._failure is not None:
-                    raise RuntimeError(f"the worker failed to start:\n{self._failure}")
-                handler = self._handlers.get(name)
-                if handler is None:
-                    raise KeyError(f"unknown command {name!r}")
-                answer = (request_id, True, handler(arguments))
+                answer = (request_id, True, self._answer(name, arguments))
             except Exception:
                 answer = (request_id, False, traceback.format_exc())
             try:
                 self._results.send(answer)
             except (BrokenPipeError, OSError):
                 return
+
+    def _answer(self, name: str, arguments: dict[str, Any]) -> Any:
+        immediate = self._immediate.get(name)
+        if immediate is not None:
+            return immediate(arguments)
+        self._ready.wait()
+        if self._failure is not None:
+            raise RuntimeError(f"the worker failed to start:\n{self._failure}")
+        handler = self._handlers.get(name)
+        if handler is None:
+            raise KeyError(f"unknown command {name!r}")
+        return handler(arguments)

@@ -5,8 +5,12 @@ Everything else extends ``DataLoader`` through public seams (``__init__``, the d
 it iterates, ``__iter__``). Two things have no public seam: stopping a persistent
 iterator's workers before the loader is garbage collected (needed by a restore on a
 running loader and by ``close()``), and seeing the worker processes to tell a dead worker
-from a slow one while waiting on a command. ``tests/test_torch_compat.py`` pins each
-behaviour used here, so a torch upgrade that changes one fails there first.
+from a slow one while waiting on a command, or to stop one that hung. One behaviour is
+relied on without a private name: an iterator whose ``timeout`` expired raises
+RuntimeError("DataLoader timed out after ...") and, asked again, keeps waiting for the
+same item, losing nothing (NOTE [ Watchdog ] in ``loader.py``).
+``tests/test_torch_compat.py`` pins each behaviour used here, so a torch upgrade that
+changes one fails there first.
 """
 
 from __future__ import annotations
@@ -15,7 +19,28 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-__all__ = ["drop_persistent_iterator", "worker_alive", "worker_count"]
+__all__ = [
+    "drop_persistent_iterator",
+    "drop_unfinished_iterator",
+    "is_timeout",
+    "kill_worker",
+    "worker_alive",
+    "worker_count",
+]
+
+_TIMEOUT_MESSAGE = "DataLoader timed out after "
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is a multi-process iterator's "no item within ``timeout``"."""
+    return isinstance(error, RuntimeError) and str(error).startswith(_TIMEOUT_MESSAGE)
+
+
+def kill_worker(iterator: Any, worker_id: int) -> None:
+    """Kills worker ``worker_id`` of a multi-process iterator (SIGKILL on POSIX)."""
+    workers = getattr(iterator, "_workers", None)
+    if workers is not None and worker_id < len(workers) and workers[worker_id].is_alive():
+        workers[worker_id].kill()
 
 
 def worker_alive(iterator: Any, worker_id: int) -> bool:
@@ -42,3 +67,29 @@ def drop_persistent_iterator(loader: DataLoader[Any], iterator: Any) -> None:
         shutdown()
     if getattr(loader, "_iterator", None) is iterator:
         loader._iterator = None
+
+
+def drop_unfinished_iterator(loader: DataLoader[Any], error: BaseException) -> list[int]:
+    """Stops the workers of an iterator whose construction raised ``error``.
+
+    The iterator was never returned: it is the ``self`` of a frame in the traceback, or,
+    when the error came just after the constructor, the loader's persistent iterator.
+
+    Returns:
+        The workers that had died (empty when no iterator was found).
+    """
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    iterator = getattr(loader, "_iterator", None)
+    traceback = error.__traceback__
+    while traceback is not None:
+        candidate = traceback.tb_frame.f_locals.get("self")
+        if isinstance(candidate, _MultiProcessingDataLoaderIter):
+            iterator = candidate
+            break
+        traceback = traceback.tb_next
+    if iterator is None:
+        return []
+    dead = [w for w in range(worker_count(iterator)) if not worker_alive(iterator, w)]
+    drop_persistent_iterator(loader, iterator)
+    return dead

@@ -75,6 +75,7 @@ __all__ = [
     "PLACEHOLDER",
     "Failure",
     "PipelineRuntime",
+    "Progress",
     "RuntimeSpec",
     "WorkerStart",
 ]
@@ -174,6 +175,32 @@ class Failure:
         return RuntimeError(f"{self.type_name}: {self.message}")
 
 
+STARTING, PRODUCING, IDLE = "starting", "producing", "idle"
+
+
+class Progress:
+    """What a worker is doing, read by its command thread (NOTE [ Watchdog ] in
+    ``loader.py``).
+
+    The phase is STARTING (restoring a checkpoint and replaying, up to the first event),
+    PRODUCING (item ``seq``) or IDLE (waiting for torch to ask for the next event). One
+    tuple is swapped in as a whole, so the command thread never reads a torn value.
+    """
+
+    __slots__ = ("_now",)
+
+    def __init__(self) -> None:
+        self._now: tuple[str, int, float] = (IDLE, 0, time.monotonic())
+
+    def enter(self, phase: str, seq: int) -> None:
+        self._now = (phase, seq, time.monotonic())
+
+    def report(self) -> dict[str, Any]:
+        """Returns the phase, the sequence number and the seconds spent in the phase."""
+        phase, seq, since = self._now
+        return {"phase": phase, "seq": seq, "for": time.monotonic() - since}
+
+
 @dataclass
 class RuntimeSpec:
     """Everything a worker needs to run the pipeline; pickled into each worker."""
@@ -235,10 +262,18 @@ class PipelineRuntime:
             states, swapped in around each event (NOTE [ No workers ] in ``loader.py``).
     """
 
-    def __init__(self, spec: RuntimeSpec, worker_id: int, *, in_main: bool) -> None:
+    def __init__(
+        self,
+        spec: RuntimeSpec,
+        worker_id: int,
+        *,
+        in_main: bool,
+        progress: Progress | None = None,
+    ) -> None:
         self.spec = spec
         self.worker_id = worker_id
         self.in_main = in_main
+        self.progress = progress or Progress()
         self.dataset = spec.dataset
         self._lock = threading.Lock()
         self._ring: collections.deque[_Entry] = collections.deque()
@@ -310,6 +345,7 @@ class PipelineRuntime:
                 raise StateError(
                     f"worker {self.worker_id} ended its epoch but would replay {replay} events"
                 )
+            self.progress.enter(IDLE, self.seq)
             return iter(())
         skip = self._skip
         fast = (
@@ -332,17 +368,22 @@ class PipelineRuntime:
         return self._run(source, placeholder=first and self._start.placeholder)
 
     def _run(self, source: Iterator[Any], *, placeholder: bool) -> Iterator[Event]:
+        progress = self.progress
         if placeholder:
+            progress.enter(IDLE, self.seq)
             yield (self.worker_id, -1, PLACEHOLDER, None)
         mark = time.perf_counter()
         while True:
+            progress.enter(PRODUCING, self.seq)
             try:
                 with self._generators():
                     item = next(source, _END_OF_SOURCE)
             except Exception as error:
                 self.failed = True
+                progress.enter(IDLE, self.seq)
                 yield self.failure(error, starting=False)
                 return
+            progress.enter(IDLE, self.seq + 1)
             now = time.perf_counter()
             # Worker time since the previous event: producing this one, plus torch
             # sending the previous one and waiting for this task.
@@ -522,14 +563,20 @@ class WorkerWrapper(IterableDataset[Event]):
     def __init__(self, spec: RuntimeSpec) -> None:
         self.spec = spec
         self.runtime: PipelineRuntime | None = None
+        self.progress = Progress()
 
     def __iter__(self) -> Iterator[Event]:
         try:
             if self.runtime is None:
+                self.progress.enter(STARTING, 0)
                 self.runtime = self._start()
+            else:
+                # Beginning an epoch counts as producing its first event.
+                self.progress.enter(PRODUCING, self.runtime.seq)
             return self.runtime.epoch()
         except Exception as error:
             # NOTE [ Pipeline errors ]: a start that failed is one ERROR event too.
+            self.progress.enter(IDLE, 0)
             if self.runtime is not None:
                 self.runtime.failed = True
                 return iter((self.runtime.failure(error, starting=True),))
@@ -551,9 +598,11 @@ class WorkerWrapper(IterableDataset[Event]):
         info = get_worker_info()
         if info is None:
             return PipelineRuntime(self.spec, 0, in_main=True)
+        progress = self.progress = Progress()
+        progress.enter(STARTING, 0)
         channel = self.spec.channel
         if channel is None:
-            return PipelineRuntime(self.spec, info.id, in_main=False)
+            return PipelineRuntime(self.spec, info.id, in_main=False, progress=progress)
         # NOTE [ Command channel ] in _commands.py: a command thread waits for the GIL at
         # most this long while the worker runs Python code (default 5 ms).
         sys.setswitchinterval(min(sys.getswitchinterval(), _WORKER_SWITCH_INTERVAL))
@@ -565,10 +614,11 @@ class WorkerWrapper(IterableDataset[Event]):
                 "checkpoint": lambda args: holder[0].checkpoint_for(args["delivered"]).model_dump(),
                 "stats": lambda args: holder[0].stats(),
             },
+            immediate={"progress": lambda args: progress.report()},
         )
         server.start()
         try:
-            holder.append(PipelineRuntime(self.spec, info.id, in_main=False))
+            holder.append(PipelineRuntime(self.spec, info.id, in_main=False, progress=progress))
         except BaseException:
             server.fail(traceback.format_exc())
             raise

@@ -22,7 +22,16 @@ class WorkerConfig:
         data_parallel_group: A ``torch.distributed`` process group whose ranks share
             this loader's data stream layout (the default group when None).
         command_timeout: Seconds a save waits for every worker's answer (worker start-up
-            included) before raising :class:`~savable_loader.WorkerError`.
+            included) before raising :class:`~savable_loader.WorkerError`. It also bounds a
+            worker's start-up while iterating (restoring its checkpoint and replaying to
+            the saved position): a worker still starting after this long is reported as
+            hung (NOTE [ Watchdog ] in ``loader.py``).
+        item_timeout: Seconds a worker may spend producing one item (one batch) before
+            the loader reports it as hung with a :class:`~savable_loader.WorkerError`
+            naming it, and stops it. None (the default) waits forever, as torch's
+            ``DataLoader(timeout=0)`` does, so slow items never fail. The report comes
+            within ``item_timeout`` plus a poll interval (at most a quarter of it, and at
+            most one second).
         checkpoint_share: Largest share of a worker's production time spent taking
             checkpoints (NOTE [ Checkpoint policy ] in ``_worker.py``).
 
@@ -35,6 +44,7 @@ class WorkerConfig:
     data_parallel_group: Any = None
     command_timeout: float = 60.0
     checkpoint_share: float = 0.01
+    item_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.world_size is not None and self.world_size < 1:
@@ -45,6 +55,8 @@ class WorkerConfig:
             raise ConfigError(f"rank {self.rank} is not below world_size {self.world_size}")
         if not self.command_timeout > 0:
             raise ConfigError(f"command_timeout must be positive, got {self.command_timeout}")
+        if self.item_timeout is not None and not self.item_timeout > 0:
+            raise ConfigError(f"item_timeout must be positive or None, got {self.item_timeout}")
         if not 0 < self.checkpoint_share <= 1:
             raise ConfigError(f"checkpoint_share must be in (0, 1], got {self.checkpoint_share}")
 

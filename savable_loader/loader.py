@@ -53,6 +53,24 @@ the pipeline is raised as :class:`DatasetError` naming the worker and the item, 
 from the original exception (the object itself without workers; with workers a copy of
 its type, and the worker's traceback in the message, as torch does); the library's own
 errors (StateError, StorageError, ...) keep their type.
+
+NOTE [ Watchdog ]
+Torch waits for a worker's next item forever with ``timeout=0``. To report a hung worker
+without breaking slow items, the loader gives torch's iterator a short timeout (the
+poll interval: at most one second, a quarter of ``command_timeout`` and of
+``item_timeout``, and the user's ``timeout`` if smaller) and, each time it expires with
+no item, asks every worker's command thread for its progress: its phase (starting,
+producing item ``seq``, idle) and the seconds spent in it. Then it asks torch again,
+which keeps waiting for the same item (pinned in ``tests/test_torch_compat.py``). A
+worker still starting (restoring its checkpoint and replaying) after ``command_timeout``,
+producing one item for longer than ``item_timeout`` (None: no limit, as torch), or not
+answering within ``command_timeout`` (a frozen process) is hung: the loader keeps its
+position when the workers can still tell it (NOTE [ Errors stop the stream ]), kills the
+hung workers (they would not see torch's shutdown request), stops the stream and raises
+:class:`WorkerError` naming them. The user's own ``timeout`` keeps torch's meaning: no
+item within that many seconds raises (a WorkerError, which is a RuntimeError). Items
+that arrive cost nothing more: the progress check runs only after a wait of one poll
+interval.
 """
 
 from __future__ import annotations
@@ -68,9 +86,20 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import _torch_compat, distributed
-from ._commands import CommandChannel
+from ._commands import CommandChannel, NoAnswerError
 from ._version import __version__
-from ._worker import END, ERROR, PLACEHOLDER, Failure, RuntimeSpec, WorkerStart, WorkerWrapper
+from ._worker import (
+    END,
+    ERROR,
+    PLACEHOLDER,
+    PRODUCING,
+    STARTING,
+    Event,
+    Failure,
+    RuntimeSpec,
+    WorkerStart,
+    WorkerWrapper,
+)
 from .config import WorkerConfig, WorkerContext
 from .datasets.base import SavableDataset
 from .datasets.indexed import IndexedDataset, shard_length
@@ -95,6 +124,22 @@ logger = logging.getLogger(__name__)
 _BASE_SEED_PURPOSE = 0xBA5E
 _MAX_COUNTER = 2**63 - 1
 _DEATH_GRACE_SECONDS = 2.0
+_MAX_POLL_SECONDS = 1.0
+
+
+class _Hang(WorkerError):
+    """Workers found hung by the watchdog (NOTE [ Watchdog ]).
+
+    Attributes:
+        workers: The hung workers.
+        answering: Every hung worker's command thread answers (it hangs in an item), so
+            the loader's position can still be asked for.
+    """
+
+    def __init__(self, message: str, *, workers: list[int], answering: bool) -> None:
+        super().__init__(message)
+        self.workers = workers
+        self.answering = answering
 
 
 def _identity(event: Any) -> Any:
@@ -300,7 +345,7 @@ class SavableDataLoader(DataLoader[Any]):
         if self._book.all_ended():
             self._book.start_epoch()
             if self._stream is not None:
-                self._stream = super().__iter__()
+                self._stream = self._torch_iterator()
                 self._stream_done = False
         if self._stream is None:
             self._start_stream()
@@ -323,8 +368,105 @@ class SavableDataLoader(DataLoader[Any]):
             self._spec.channel = self._channel
         self._wrapper.runtime = None
         self._started = book.copy()
-        self._stream = super().__iter__()
+        self._stream = self._torch_iterator()
         self._stream_done = False
+
+    def _torch_iterator(self) -> Any:
+        """Torch's iterator, waiting at most a poll interval per try (NOTE [ Watchdog ])."""
+        if self.num_workers == 0:
+            return super().__iter__()
+        timeout = self.timeout
+        # Torch reads the loader's timeout once, when it builds the iterator.
+        self.timeout = self._poll_seconds()
+        try:
+            return super().__iter__()
+        except RuntimeError as error:
+            # Torch's SIGCHLD handler: a worker died while torch started the workers.
+            if self._stream is not None:  # a new epoch of the running workers
+                self._raise_if_workers_died(error, "while an epoch started")
+                raise
+            dead = _torch_compat.drop_unfinished_iterator(self, error)
+            self._stop_stream()
+            raise WorkerError(
+                f"worker(s) {dead} died while the workers started ({error}); the loader "
+                "stays where it was: iterating again starts the workers anew"
+            ) from error
+        finally:
+            self.timeout = timeout
+
+    def _poll_seconds(self) -> float:
+        config = self.worker_config
+        bounds = [_MAX_POLL_SECONDS, config.command_timeout / 4]
+        if config.item_timeout is not None:
+            bounds.append(config.item_timeout / 4)
+        if self.timeout > 0:
+            bounds.append(self.timeout)
+        return min(bounds)
+
+    def _next_event(self) -> Event:
+        """The next event of torch's iterator; reports hung workers (NOTE [ Watchdog ])."""
+        stream = self._stream
+        if self.num_workers == 0:
+            return cast(Event, next(stream))
+        began = time.monotonic()
+        while True:
+            try:
+                return cast(Event, next(stream))
+            except RuntimeError as error:
+                if not _torch_compat.is_timeout(error):
+                    raise
+            if self.timeout > 0 and time.monotonic() - began >= self.timeout:
+                raise WorkerError(
+                    f"DataLoader timed out after {self.timeout} seconds: no item arrived "
+                    "within the loader's timeout"
+                )
+            self._watch(stream)
+
+    def _watch(self, stream: Any) -> None:
+        """Raises :class:`_Hang` naming the workers stuck beyond their bounds."""
+        channel = self._channel
+        if channel is None:
+            return
+        config = self.worker_config
+        try:
+            answers = channel.request(
+                "progress",
+                [{} for _ in range(self.num_workers)],
+                timeout=config.command_timeout,
+                is_alive=lambda w: _torch_compat.worker_alive(stream, w),
+            )
+        except NoAnswerError as error:
+            raise _Hang(str(error), workers=[error.worker_id], answering=False) from None
+        hung: list[int] = []
+        reasons: list[str] = []
+        answering = True
+        for worker_id, progress in enumerate(answers):
+            phase, seq, seconds = progress["phase"], progress["seq"], progress["for"]
+            if phase == STARTING and seconds > config.command_timeout:
+                answering = False
+                reasons.append(
+                    f"worker {worker_id} has been starting (restoring its checkpoint and "
+                    f"replaying) for {seconds:.1f} s, beyond WorkerConfig(command_timeout="
+                    f"{config.command_timeout:g})"
+                )
+            elif (
+                phase == PRODUCING
+                and config.item_timeout is not None
+                and seconds > config.item_timeout
+            ):
+                reasons.append(
+                    f"worker {worker_id} has been producing item {seq} for {seconds:.1f} s, "
+                    f"beyond WorkerConfig(item_timeout={config.item_timeout:g})"
+                )
+            else:
+                continue
+            hung.append(worker_id)
+        if hung:
+            raise _Hang(
+                "; ".join(reasons) + "; it is hung or slower than allowed",
+                workers=hung,
+                answering=answering,
+            )
 
     def _next(self) -> Any:
         while True:
@@ -336,7 +478,7 @@ class SavableDataLoader(DataLoader[Any]):
             if self._stream_done:
                 raise StopIteration
             try:
-                worker_id, seq, kind, payload = next(self._stream)
+                worker_id, seq, kind, payload = self._next_event()
             except StopIteration:
                 self._stream_done = True
                 if not self._book.all_ended():
@@ -345,6 +487,15 @@ class SavableDataLoader(DataLoader[Any]):
                         "not report their end; please report"
                     ) from None
                 raise
+            except _Hang as hang:
+                lost = self._halt(hung=hang.workers, ask=hang.answering)
+                then = (
+                    f"the loader cannot continue: {lost}"
+                    if lost is not None
+                    else "the loader stays after the last item handed on: iterating again "
+                    "restarts the workers there"
+                )
+                raise WorkerError(f"{hang}. The loader stopped its workers; {then}.") from None
             except Exception as error:
                 # Whatever surfaces when a worker dies (torch's RuntimeError, a reset
                 # connection while fetching a tensor it shared) becomes a WorkerError.
@@ -394,13 +545,21 @@ class SavableDataLoader(DataLoader[Any]):
             f"(restore_state_rank) to resume ({error})"
         ) from error
 
-    def _halt(self) -> str | None:
+    def _halt(self, *, hung: Sequence[int] = (), ask: bool = True) -> str | None:
         """Stops the stream after an error, keeping the position (NOTE [ Errors stop the
-        stream ]). Returns why the position was lost, or None when it was kept."""
+        stream ]). Returns why the position was lost, or None when it was kept.
+
+        Args:
+            hung: Workers to kill first (NOTE [ Watchdog ]), after asking for the position.
+            ask: Whether every worker can answer for its position; if not, the position
+                is kept only when nothing was handed on since the stream started.
+        """
         if self._stream is None:
             return self._broken
         try:
             if self._book != self._started:
+                if not ask:
+                    raise WorkerError(f"hung worker(s) {list(hung)} cannot answer")
                 self._resume = self._current_checkpoints()
         except Exception as error:  # a dead or hung worker: WorkerError, torch's RuntimeError
             self._broken = (
@@ -408,8 +567,30 @@ class SavableDataLoader(DataLoader[Any]):
                 "restore a saved state with restore_state_rank() (or restore_state_rank(None) "
                 "to start over)"
             )
+        self._kill(hung)
         self._stop_stream()
         return self._broken
+
+    def _kill(self, workers: Sequence[int]) -> None:
+        """Kills ``workers`` and waits (bounded) until they are gone.
+
+        Torch's SIGCHLD handler raises RuntimeError in the main thread when a worker it
+        watches dies; that is expected here, so it is absorbed while waiting.
+        """
+        stream = self._stream
+        if not workers or stream is None:
+            return
+        for worker_id in workers:
+            _torch_compat.kill_worker(stream, worker_id)
+        deadline = time.monotonic() + _DEATH_GRACE_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                if not any(_torch_compat.worker_alive(stream, w) for w in workers):
+                    time.sleep(0.05)  # torch's SIGCHLD handler runs here, if at all
+                    return
+                time.sleep(0.02)
+            except RuntimeError:
+                continue
 
     def _raise_failure(self, failure: Failure) -> None:
         """Stops the stream and raises the error the pipeline raised in a worker."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -52,3 +55,50 @@ def test_base_seed_draws_from_the_loader_generator_not_the_global_one():
     loader = DataLoader(_Shard([2]), batch_size=None, num_workers=0, generator=torch.Generator())
     list(loader)
     assert torch.equal(torch.rand(1), expected)
+
+
+class _Slow(IterableDataset):
+    """Worker 0's item 1 takes 1.5 s; the others come at once."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        for i in range(4):
+            if info.id == 0 and i == 1:
+                time.sleep(1.5)
+            yield (info.id, i)
+
+
+def test_an_expired_timeout_raises_and_asking_again_loses_nothing():
+    """NOTE [ Watchdog ]: the loader polls torch's iterator with a short timeout."""
+    loader = DataLoader(_Slow(), batch_size=None, num_workers=2, timeout=0.2)
+    iterator = iter(loader)
+    got, timeouts = [], 0
+    try:
+        while True:
+            try:
+                got.append(next(iterator))
+            except StopIteration:
+                break
+            except RuntimeError as error:
+                if not _torch_compat.is_timeout(error):
+                    raise
+                timeouts += 1
+    finally:
+        _torch_compat.drop_persistent_iterator(loader, iterator)
+    assert timeouts >= 3
+    assert got == [[w, i] for i in range(4) for w in range(2)]
+
+
+def test_a_worker_can_be_killed():
+    loader = DataLoader(_Shard([50, 50]), batch_size=None, num_workers=2, persistent_workers=True)
+    iterator = iter(loader)
+    next(iterator)
+    _torch_compat.kill_worker(iterator, 1)
+    deadline = time.monotonic() + 10
+    while _torch_compat.worker_alive(iterator, 1) and time.monotonic() < deadline:
+        with contextlib.suppress(RuntimeError):  # torch's SIGCHLD handler reports the death
+            time.sleep(0.02)
+    assert not _torch_compat.worker_alive(iterator, 1)
+    assert _torch_compat.worker_alive(iterator, 0)
+    with contextlib.suppress(RuntimeError):
+        _torch_compat.drop_persistent_iterator(loader, iterator)
