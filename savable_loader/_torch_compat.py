@@ -15,11 +15,16 @@ changes one fails there first.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 __all__ = [
+    "deferred_worker_death",
     "drop_persistent_iterator",
     "drop_unfinished_iterator",
     "is_timeout",
@@ -93,3 +98,48 @@ def drop_unfinished_iterator(loader: DataLoader[Any], error: BaseException) -> l
     dead = [w for w in range(worker_count(iterator)) if not worker_alive(iterator, w)]
     drop_persistent_iterator(loader, iterator)
     return dead
+
+
+class _Deferred:
+    """A SIGCHLD handler that only notes the signal while active, then passes it on."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+        self.active = True
+        self.pending = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.active:
+            self.pending = True
+        elif callable(self.previous):
+            self.previous(signum, frame)
+
+
+@contextlib.contextmanager
+def deferred_worker_death() -> Iterator[None]:
+    """Holds back torch's SIGCHLD handler (which raises RuntimeError in the main thread
+    when a worker dies, wherever the thread is) while torch builds an iterator, and runs
+    it at the end, where its error is expected.
+
+    An exception raised asynchronously inside torch's constructor can leave one of its
+    queues' locks held, and stopping the workers would then wait on it forever. Only the
+    main thread runs Python signal handlers; elsewhere this does nothing.
+    """
+    sigchld = getattr(signal, "SIGCHLD", None)
+    if sigchld is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(sigchld)
+    deferred = _Deferred(previous)
+    signal.signal(sigchld, deferred)
+    try:
+        yield
+    finally:
+        deferred.active = False
+        if signal.getsignal(sigchld) is deferred:
+            signal.signal(sigchld, previous if previous is not None else signal.SIG_DFL)
+        # Else torch installed its own handler meanwhile; it chains to ``deferred``, which
+        # now passes every signal on.
+        handler = signal.getsignal(sigchld)
+        if deferred.pending and callable(handler):
+            handler(sigchld, None)

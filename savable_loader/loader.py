@@ -379,7 +379,8 @@ class SavableDataLoader(DataLoader[Any]):
         # Torch reads the loader's timeout once, when it builds the iterator.
         self.timeout = self._poll_seconds()
         try:
-            return super().__iter__()
+            with _torch_compat.deferred_worker_death():
+                return super().__iter__()
         except RuntimeError as error:
             # Torch's SIGCHLD handler: a worker died while torch started the workers.
             if self._stream is not None:  # a new epoch of the running workers

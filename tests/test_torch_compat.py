@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 
 import pytest
@@ -102,3 +104,19 @@ def test_a_worker_can_be_killed():
     assert _torch_compat.worker_alive(iterator, 0)
     with contextlib.suppress(RuntimeError):
         _torch_compat.drop_persistent_iterator(loader, iterator)
+
+
+def test_worker_death_is_reported_after_the_iterator_is_built():
+    seen = []
+    previous = signal.signal(signal.SIGCHLD, lambda signum, frame: seen.append(signum))
+    try:
+        with _torch_compat.deferred_worker_death():
+            os.kill(os.getpid(), signal.SIGCHLD)
+            time.sleep(0.05)
+            assert seen == []
+        assert seen == [signal.SIGCHLD]
+        os.kill(os.getpid(), signal.SIGCHLD)
+        time.sleep(0.05)
+        assert seen == [signal.SIGCHLD] * 2
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
