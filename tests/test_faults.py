@@ -32,8 +32,10 @@ save_state_global  ``test_kill_during_save_global  ``test_hang_during_save_globa
                    test_dead_worker_during_global  rank 1)
                    _save_raises_worker_error_on_
                    every_rank)
-restore (workers   ``test_kill_during_restore``    ``test_hang_during_restore``
-start and replay)                                  (bounded by command_timeout)
+restore (workers   ``test_kill_during_restore``,   ``test_hang_during_restore``
+start and replay)  ``test_kill_during_restore_at_  (bounded by command_timeout)
+                   once`` (while torch still
+                   starts the other workers)
 =================  ==============================  ==============================
 
 A third kind, a frozen worker (SIGSTOP: its command thread cannot answer either), is
