@@ -7,19 +7,15 @@ asserts. The helpers below live at module level so that spawned children can imp
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
 import os
-import queue as queue_module
 import signal
-import socket
 import time
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from gloo import in_rank_order, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -192,77 +188,12 @@ _JOBS = {
 }
 
 
-def _run_rank(rank: int, world_size: int, port: int, job: str, tmp: str, queue: Any) -> None:
-    import torch.distributed as dist
-
-    # Workers start as in a job launched by torchrun: forked (spawn would start each one
-    # as a fresh interpreter importing torch, seconds per loader).
-    multiprocessing.set_start_method("fork", force=True)
-    if job == "kill":
-        # SIGCHLD is blocked in every thread (gloo's included, hence before the process
-        # group starts them) so that torch's SIGCHLD handler does not raise first: the
-        # save's own liveness check must find the dead worker.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            queue.put((rank, "ok", _JOBS[job](rank, world_size, Path(tmp))))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-
-
-# -- the parent ----------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _launch(world_size: int, job: str, tmp: Path) -> list[dict[str, Any]]:
     """Runs ``job`` on ``world_size`` spawned ranks; returns each rank's report."""
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(target=_run_rank, args=(rank, world_size, port, job, str(tmp), queue))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    reports: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + JOB_TIMEOUT
-    try:
-        while len(reports) < world_size and time.monotonic() < deadline:
-            try:
-                rank, status, payload = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                if not any(process.is_alive() for process in processes):
-                    break
-                continue
-            reports[rank] = (status, payload)
-    finally:
-        for process in processes:
-            process.join(timeout=max(deadline - time.monotonic(), 5.0))
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5.0)
-        queue.close()
-    errors = {rank: payload for rank, (status, payload) in reports.items() if status != "ok"}
-    assert not errors, f"{job} on {world_size} ranks failed: {errors}"
-    missing = sorted(set(range(world_size)) - set(reports))
-    assert not missing, f"{job} on {world_size} ranks: ranks {missing} did not report in time"
-    return [reports[rank][1] for rank in range(world_size)]
+    reports = run_ranks(
+        _JOBS[job], world_size, tmp, timeout=JOB_TIMEOUT, block_sigchld=job == "kill"
+    )
+    return in_rank_order(reports, world_size, job)
 
 
 @pytest.fixture(scope="module")

@@ -52,21 +52,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime
+import functools
 import logging
-import multiprocessing
 import os
-import queue as queue_module
 import signal
-import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from gloo import in_rank_order, run_ranks
 from pipelines import RandomCounter
 from torch.utils.data import get_worker_info
 
@@ -468,67 +465,16 @@ def _rank_job(rank: int, fault: str, tmp: Path) -> dict[str, Any]:
     }
 
 
-def _run_rank(rank: int, world_size: int, port: int, fault: str, tmp: str, out: Any) -> None:
-    import torch.distributed as dist
-
-    # As in a job launched by torchrun: workers fork. SIGCHLD is blocked in every thread
-    # (before gloo starts its own) so that the save's own liveness check finds the death.
-    multiprocessing.set_start_method("fork", force=True)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            out.put((rank, "ok", _rank_job(rank, fault, Path(tmp))))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
+def _fault_job(fault: str, rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    return _rank_job(rank, fault, tmp)
 
 
 def _launch(fault: str, tmp: Path, world_size: int = 2) -> list[dict[str, Any]]:
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    processes = [
-        context.Process(target=_run_rank, args=(rank, world_size, port, fault, str(tmp), out))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    reports: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + JOB_TIMEOUT
-    try:
-        while len(reports) < world_size and time.monotonic() < deadline:
-            try:
-                rank, status, payload = out.get(timeout=1.0)
-            except queue_module.Empty:
-                if not any(process.is_alive() for process in processes):
-                    break
-                continue
-            reports[rank] = (status, payload)
-    finally:
-        for process in processes:
-            process.join(timeout=max(deadline - time.monotonic(), 5.0))
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5.0)
-        out.close()
-    errors = {rank: payload for rank, (status, payload) in reports.items() if status != "ok"}
-    assert not errors, f"{fault} on {world_size} ranks failed: {errors}"
-    missing = sorted(set(range(world_size)) - set(reports))
-    if missing:
+    job = functools.partial(_fault_job, fault)
+    reports = run_ranks(job, world_size, tmp, timeout=JOB_TIMEOUT, block_sigchld=True)
+    if sorted(set(range(world_size)) - set(reports)):
         TALLY["hangs"] += 1
-    assert not missing, f"{fault}: ranks {missing} did not report within {JOB_TIMEOUT:g} s"
-    return [reports[rank][1] for rank in range(world_size)]
+    return in_rank_order(reports, world_size, fault)
 
 
 def test_kill_during_save_global(tmp_path: Path) -> None:

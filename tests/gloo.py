@@ -1,0 +1,102 @@
+"""Runs a job on several ``torch.distributed`` ranks over gloo: spawned processes on
+loopback, each reporting one result; every wait is bounded."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import queue as queue_module
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: A job: ``job(rank, world_size, tmp)`` returns the rank's report (picklable).
+Job = Callable[[int, int, Path], Any]
+
+
+def _run_rank(
+    rank: int, world_size: int, port: int, job: Job, tmp: str, out: Any, block_sigchld: bool
+) -> None:
+    import torch.distributed as dist
+
+    # Workers start as in a job launched by torchrun: forked (spawn would start each one
+    # as a fresh interpreter importing torch, seconds per loader).
+    multiprocessing.set_start_method("fork", force=True)
+    if block_sigchld:
+        # Blocked in every thread (gloo's included, hence before the process group starts
+        # them) so that torch's SIGCHLD handler does not raise first: the loader's own
+        # liveness checks must find a dead worker.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            out.put((rank, "ok", job(rank, world_size, Path(tmp))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(
+    job: Job, world_size: int, tmp: Path, *, timeout: float, block_sigchld: bool = False
+) -> dict[int, tuple[str, Any]]:
+    """Runs ``job`` on ``world_size`` spawned ranks; returns ``{rank: (status, report)}``
+    for the ranks that reported within ``timeout`` (status "ok", or "error" with the
+    traceback). Ranks still running then are killed."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(
+            target=_run_rank,
+            args=(rank, world_size, port, job, str(tmp), out, block_sigchld),
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    reports: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(reports) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, payload = out.get(timeout=1.0)
+            except queue_module.Empty:
+                if not any(process.is_alive() for process in processes):
+                    break
+                continue
+            reports[rank] = (status, payload)
+    finally:
+        for process in processes:
+            process.join(timeout=max(deadline - time.monotonic(), 5.0))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5.0)
+        out.close()
+    return reports
+
+
+def in_rank_order(reports: dict[int, tuple[str, Any]], world_size: int, label: str) -> list[Any]:
+    """The ranks' reports in rank order; fails naming the ranks that failed or were silent."""
+    errors = {rank: payload for rank, (status, payload) in reports.items() if status != "ok"}
+    assert not errors, f"{label} on {world_size} ranks failed: {errors}"
+    missing = sorted(set(range(world_size)) - set(reports))
+    assert not missing, f"{label} on {world_size} ranks: ranks {missing} did not report in time"
+    return [reports[rank][1] for rank in range(world_size)]
