@@ -28,10 +28,11 @@ class WorkerConfig:
             hung (NOTE [ Watchdog ] in ``loader.py``).
         item_timeout: Seconds a worker may spend producing one item (one batch) before
             the loader reports it as hung with a :class:`~savable_loader.WorkerError`
-            naming it, and stops it. None (the default) waits forever, as torch's
-            ``DataLoader(timeout=0)`` does, so slow items never fail. The report comes
-            within ``item_timeout`` plus a poll interval (at most a quarter of it, and at
-            most one second).
+            naming it, and stops it; 60 by default, like ``command_timeout``, so no wait
+            is unbounded. Raise it for pipelines whose items legitimately take longer, or
+            pass None to wait forever, as torch's ``DataLoader(timeout=0)`` does. The
+            report comes within ``item_timeout`` plus a poll interval (at most a quarter
+            of it, and at most one second).
         checkpoint_share: Largest share of a worker's production time spent taking
             checkpoints (NOTE [ Checkpoint policy ] in ``_worker.py``).
 
@@ -44,7 +45,7 @@ class WorkerConfig:
     data_parallel_group: Any = None
     command_timeout: float = 60.0
     checkpoint_share: float = 0.01
-    item_timeout: float | None = None
+    item_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.world_size is not None and self.world_size < 1:

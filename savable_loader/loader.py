@@ -63,7 +63,8 @@ no item, asks every worker's command thread for its progress: its phase (startin
 producing item ``seq``, idle) and the seconds spent in it. Then it asks torch again,
 which keeps waiting for the same item (pinned in ``tests/test_torch_compat.py``). A
 worker still starting (restoring its checkpoint and replaying) after ``command_timeout``,
-producing one item for longer than ``item_timeout`` (None: no limit, as torch), or not
+producing one item for longer than ``item_timeout`` (60 s by default; None: no limit,
+as torch), or not
 answering within ``command_timeout`` (a frozen process) is hung: the loader keeps its
 position when the workers can still tell it (NOTE [ Errors stop the stream ]), kills the
 hung workers (they would not see torch's shutdown request), stops the stream and raises
@@ -457,7 +458,8 @@ class SavableDataLoader(DataLoader[Any]):
             ):
                 reasons.append(
                     f"worker {worker_id} has been producing item {seq} for {seconds:.1f} s, "
-                    f"beyond WorkerConfig(item_timeout={config.item_timeout:g})"
+                    f"beyond WorkerConfig(item_timeout={config.item_timeout:g}); if its "
+                    "items legitimately take longer, raise item_timeout (None: no limit)"
                 )
             else:
                 continue

@@ -252,9 +252,9 @@ def test_hang_while_iterating() -> None:
 
 
 def test_slow_items_do_not_fail_without_an_item_timeout() -> None:
-    """The default (item_timeout=None) waits for a slow item as torch does."""
+    """item_timeout=None waits for a slow item as torch does."""
     reference = _reference()
-    config = WorkerConfig(command_timeout=COMMAND_TIMEOUT)
+    config = WorkerConfig(command_timeout=COMMAND_TIMEOUT, item_timeout=None)
     with _loader(HangAt(N, index=2, seconds=2 * COMMAND_TIMEOUT), worker_config=config) as loader:
         got = list(_stream(loader, EPOCHS))
     _account(got, [], reference)
@@ -522,3 +522,7 @@ def test_tally_no_hang_no_item_lost_or_duplicated() -> None:
     assert TALLY["hangs"] == 0
     assert TALLY["lost"] == 0
     assert TALLY["duplicated"] == 0
+
+
+def test_the_default_item_timeout_bounds_a_hang() -> None:
+    assert WorkerConfig().item_timeout == WorkerConfig().command_timeout == 60.0
