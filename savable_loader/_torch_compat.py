@@ -11,11 +11,31 @@ RuntimeError("DataLoader timed out after ...") and, asked again, keeps waiting f
 same item, losing nothing (NOTE [ Watchdog ] in ``loader.py``).
 ``tests/test_torch_compat.py`` pins each behaviour used here, so a torch upgrade that
 changes one fails there first.
+
+NOTE [ Shared memory of a killed worker ]
+A worker sends a tensor through a shared memory file that torch creates under
+``/dev/shm`` as ``torch_<pid>_...`` and unlinks as soon as it is opened. A worker killed
+between the two leaves the file behind for good. Once the workers of a stream are
+stopped, :func:`remove_leaked_shared_memory` removes what is left under their pids:
+nothing, for workers that exited normally. Removing a name never frees memory another
+process still maps.
+
+NOTE [ The workers-done event ]
+Torch's iterator shares a ``multiprocessing.Event`` with its workers; they poll
+``is_set()`` on it, which takes the event's condition lock. A worker killed while it
+holds that lock never releases it, and the main process's next ``is_set()`` (torch calls
+it when it marks a dead worker unavailable) or ``set()`` (at shutdown) then blocks
+forever. :func:`unblock_done_event` gives the main process a view of the event that reads
+and sets its semaphore without that lock: nobody waits on the condition (workers poll),
+so nothing needs the notification the lock protects. Live workers stuck on the lock are
+terminated by torch's shutdown after its join timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -29,8 +49,11 @@ __all__ = [
     "drop_unfinished_iterator",
     "is_timeout",
     "kill_worker",
+    "remove_leaked_shared_memory",
+    "unblock_done_event",
     "worker_alive",
     "worker_count",
+    "worker_pids",
 ]
 
 _TIMEOUT_MESSAGE = "DataLoader timed out after "
@@ -143,3 +166,46 @@ def deferred_worker_death() -> Iterator[None]:
         handler = signal.getsignal(sigchld)
         if deferred.pending and callable(handler):
             handler(sigchld, None)
+
+
+class _DoneFlag:
+    """The main process's view of torch's workers-done event (NOTE [ The workers-done
+    event ]): its semaphore, read and set without the condition lock."""
+
+    def __init__(self, event: Any) -> None:
+        self._flag = event._flag
+
+    def is_set(self) -> bool:
+        if self._flag.acquire(False):
+            self._flag.release()
+            return True
+        return False
+
+    def set(self) -> None:
+        self._flag.acquire(False)
+        self._flag.release()
+
+
+def unblock_done_event(iterator: Any) -> None:
+    """Replaces a multi-process iterator's ``_workers_done_event`` by :class:`_DoneFlag`,
+    in the main process only (the workers already hold the real event)."""
+    event = getattr(iterator, "_workers_done_event", None)
+    if event is not None and not isinstance(event, _DoneFlag) and hasattr(event, "_flag"):
+        iterator._workers_done_event = _DoneFlag(event)
+
+
+def worker_pids(iterator: Any) -> list[int]:
+    """The process ids of a multi-process iterator's workers."""
+    return [w.pid for w in getattr(iterator, "_workers", None) or () if w.pid is not None]
+
+
+def remove_leaked_shared_memory(pids: list[int], folder: str = "/dev/shm") -> list[str]:
+    """Removes torch's shared memory files left by the stopped processes ``pids``
+    (NOTE [ Shared memory of a killed worker ]); returns the paths removed."""
+    removed = []
+    for pid in pids:
+        for path in glob.glob(os.path.join(folder, f"torch_{pid}_*")):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    return removed

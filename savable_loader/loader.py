@@ -381,7 +381,9 @@ class SavableDataLoader(DataLoader[Any]):
         self.timeout = self._poll_seconds()
         try:
             with _torch_compat.deferred_worker_death():
-                return super().__iter__()
+                iterator = super().__iter__()
+            _torch_compat.unblock_done_event(iterator)
+            return iterator
         except RuntimeError as error:
             # Torch's SIGCHLD handler: a worker died while torch started the workers.
             if self._stream is not None:  # a new epoch of the running workers
@@ -871,7 +873,9 @@ class SavableDataLoader(DataLoader[Any]):
     def _stop_stream(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None and self.num_workers > 0:
+            pids = _torch_compat.worker_pids(stream)
             _torch_compat.drop_persistent_iterator(self, stream)
+            _torch_compat.remove_leaked_shared_memory(pids)
         if self._channel is not None:
             self._channel.close()
             self._channel = None

@@ -120,3 +120,35 @@ def test_worker_death_is_reported_after_the_iterator_is_built():
         assert seen == [signal.SIGCHLD] * 2
     finally:
         signal.signal(signal.SIGCHLD, previous)
+
+
+def test_a_done_event_lock_left_held_by_a_dead_worker_does_not_block_the_main_process():
+    """NOTE [ The workers-done event ]: the main process reads and sets the event without
+    its condition lock, which a worker killed at the wrong moment leaves held."""
+    loader = DataLoader(_Shard([40, 40]), batch_size=None, num_workers=2, persistent_workers=True)
+    iterator = iter(loader)
+    next(iterator)
+    real = iterator._workers_done_event
+    _torch_compat.unblock_done_event(iterator)
+    lock = real._cond._lock
+    assert lock.acquire(timeout=5)  # as a worker that died holding it
+    try:
+        assert not lock.acquire(timeout=0.2), "the real event would block here"
+        began = time.monotonic()
+        assert iterator._workers_done_event.is_set() is False
+        iterator._workers_done_event.set()
+        assert iterator._workers_done_event.is_set() is True
+        assert time.monotonic() - began < 1.0
+    finally:
+        lock.release()
+    assert real.is_set()  # the workers see what the main process set
+    iterator._shutdown_workers()
+
+
+def test_shared_memory_files_of_stopped_workers_are_removed(tmp_path):
+    """NOTE [ Shared memory of a killed worker ]: only the given pids' torch files go."""
+    for name in ("torch_111_1_0", "torch_111_2_5", "torch_222_1_0", "other_111"):
+        (tmp_path / name).write_bytes(b"x")
+    removed = _torch_compat.remove_leaked_shared_memory([111], folder=str(tmp_path))
+    assert sorted(os.path.basename(p) for p in removed) == ["torch_111_1_0", "torch_111_2_5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_111", "torch_222_1_0"]
