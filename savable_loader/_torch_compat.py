@@ -25,10 +25,12 @@ Torch's iterator shares a ``multiprocessing.Event`` with its workers; they poll
 ``is_set()`` on it, which takes the event's condition lock. A worker killed while it
 holds that lock never releases it, and the main process's next ``is_set()`` (torch calls
 it when it marks a dead worker unavailable) or ``set()`` (at shutdown) then blocks
-forever. :func:`unblock_done_event` gives the main process a view of the event that reads
-and sets its semaphore without that lock: nobody waits on the condition (workers poll),
-so nothing needs the notification the lock protects. Live workers stuck on the lock are
-terminated by torch's shutdown after its join timeout.
+forever. :func:`unblock_done_event` gives the main process a view of the event that takes
+the lock as usual (live workers hold the semaphore for a moment inside their own
+``is_set()``, so reading it without the lock could miss a set event), but waits for it at
+most ``_LOCK_WAIT`` seconds and then reads or sets the semaphore without it: nobody waits
+on the condition (workers poll), so nothing needs the notification the lock protects.
+Live workers stuck on the lock are terminated by torch's shutdown after its join timeout.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ __all__ = [
 ]
 
 _TIMEOUT_MESSAGE = "DataLoader timed out after "
+#: How long the main process waits for the workers-done event's lock before it takes the
+#: lock as left held by a dead worker (a live worker holds it for microseconds).
+_LOCK_WAIT = 0.5
 
 
 def is_timeout(error: BaseException) -> bool:
@@ -170,20 +175,40 @@ def deferred_worker_death() -> Iterator[None]:
 
 class _DoneFlag:
     """The main process's view of torch's workers-done event (NOTE [ The workers-done
-    event ]): its semaphore, read and set without the condition lock."""
+    event ]): under the event's lock as usual, unless that lock stays taken for
+    :data:`_LOCK_WAIT` seconds (a worker died holding it); then without it."""
 
     def __init__(self, event: Any) -> None:
+        # Keep the event itself: with spawn or forkserver, collecting one of its named
+        # semaphores unlinks it before workers still starting have opened it.
+        self._event = event
+        self._lock = event._cond._lock
         self._flag = event._flag
 
-    def is_set(self) -> bool:
+    def _read(self) -> bool:
         if self._flag.acquire(False):
             self._flag.release()
             return True
         return False
 
+    def is_set(self) -> bool:
+        if self._lock.acquire(timeout=_LOCK_WAIT):
+            try:
+                return self._read()
+            finally:
+                self._lock.release()
+        return self._read()
+
     def set(self) -> None:
-        self._flag.acquire(False)
-        self._flag.release()
+        # Nobody waits on the event's condition (workers poll is_set()), so setting the
+        # semaphore needs no notification.
+        locked = self._lock.acquire(timeout=_LOCK_WAIT)
+        try:
+            self._flag.acquire(False)
+            self._flag.release()
+        finally:
+            if locked:
+                self._lock.release()
 
 
 def unblock_done_event(iterator: Any) -> None:

@@ -138,7 +138,7 @@ def test_a_done_event_lock_left_held_by_a_dead_worker_does_not_block_the_main_pr
         assert iterator._workers_done_event.is_set() is False
         iterator._workers_done_event.set()
         assert iterator._workers_done_event.is_set() is True
-        assert time.monotonic() - began < 1.0
+        assert time.monotonic() - began < 3 * _torch_compat._LOCK_WAIT + 1.0
     finally:
         lock.release()
     assert real.is_set()  # the workers see what the main process set
