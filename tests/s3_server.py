@@ -1,17 +1,8 @@
 """A loopback S3 endpoint for tests: moto's server mode, one bucket, boto3 and s3fs access.
 
 Nothing is mocked in process: the bytes go through fsspec, s3fs and botocore over HTTP,
-as they would to AWS. A test module wires it in with two thin fixtures::
-
-    @pytest.fixture(scope="module")
-    def endpoint_url() -> Iterator[str]:
-        with moto_server() as url:
-            yield url
-
-    @pytest.fixture
-    def s3(endpoint_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
-        with s3_access(endpoint_url, monkeypatch) as access:
-            yield access
+as they would to AWS. ``tests/conftest.py`` wires it in as two fixtures: ``endpoint_url``
+(one server per test module) and ``s3`` (a bucket of the test's own, as :class:`S3`).
 
 Credentials and the endpoint reach s3fs either as storage options (:meth:`S3.options`)
 or the usual way, through the ``AWS_*`` environment variables
