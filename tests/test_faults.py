@@ -51,7 +51,6 @@ leaves_the_previous_file.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import os
@@ -65,6 +64,7 @@ from typing import Any
 import pytest
 from gloo import in_rank_order, run_ranks
 from pipelines import RandomCounter
+from processes import freeze, thaw
 from torch.utils.data import get_worker_info
 
 from savable_loader import ConfigError, SavableDataLoader, WorkerConfig, WorkerError
@@ -260,12 +260,6 @@ def test_slow_items_do_not_fail_without_an_item_timeout() -> None:
     _account(got, [], reference)
 
 
-def _continue(pid: int) -> None:
-    """Lets a stopped process run again (it may be gone already)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGCONT)
-
-
 def test_the_loaders_own_timeout_keeps_torchs_meaning() -> None:
     with _loader(HangAt(N, index=2, seconds=30.0), timeout=1.0) as loader:
         began = time.monotonic()
@@ -330,7 +324,7 @@ def test_frozen_during_save_rank() -> None:
         head = [next(stream) for _ in range(4)]
         state = loader.save_state_rank()
         pid = _pids(loader)[0]
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         try:
             _raises_within(
                 loader.save_state_rank,
@@ -338,7 +332,7 @@ def test_frozen_during_save_rank() -> None:
                 match=r"worker 0 did not answer 'checkpoint' within 3 s",
             )
         finally:
-            _continue(pid)
+            thaw(pid)
     _account(head, _resume(state), reference)
 
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from pipelines import RandomCounter, Stuck
+from processes import freeze, thaw
 
 from savable_loader import SavableDataLoader, WorkerConfig, WorkerError
 from savable_loader.testing import digest
@@ -79,13 +80,13 @@ def test_stopped_worker_raises_worker_error_within_the_command_timeout():
         iterator = iter(loader)
         next(iterator)
         pid = loader.worker_stats()[1]["pid"]
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         began = time.monotonic()
         with pytest.raises(WorkerError, match=r"worker 1 did not answer 'checkpoint' within 2 s"):
             loader.save_state_rank()
         assert 2 <= time.monotonic() - began < 5
     finally:
-        os.kill(pid, signal.SIGCONT)
+        thaw(pid)
         loader.close()
 
 

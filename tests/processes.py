@@ -1,0 +1,39 @@
+"""Freezing a worker process for the fault tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """Sends SIGSTOP to ``pid`` and returns once every thread of it has stopped.
+
+    A stop signal wakes one thread of a process, which then stops the others: until it
+    is scheduled, the rest keep running. On a loaded machine that took milliseconds, in
+    which a worker's command thread still answered a save.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout:g} s of SIGSTOP")
+        time.sleep(0.001)
+
+
+def thaw(pid: int) -> None:
+    """Lets a frozen process run again (it may be gone already)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            # The state follows the parenthesised command name, which may hold spaces.
+            states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state in ("T", "t") for state in states)
