@@ -4,6 +4,7 @@ from ._version import __version__
 from .config import WorkerConfig, WorkerContext
 from .datasets.base import SavableDataset
 from .errors import (
+    ApproximateResumeWarning,
     ConfigError,
     DatasetError,
     SavableLoaderError,
@@ -18,6 +19,7 @@ from .state.files import load_state, save_state
 from .state.models import RankState
 
 __all__ = [
+    "ApproximateResumeWarning",
     "ConfigError",
     "DatasetError",
     "RankState",

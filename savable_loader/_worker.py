@@ -25,6 +25,19 @@ from an end of epoch. The exception object itself never crosses processes (a use
 exception type need not pickle); only its type's name and plain arguments do, and the
 runtime is marked failed so that no checkpoint is ever taken of the broken state.
 
+NOTE [ Generators per epoch ]
+A worker's global generators (``random``, ``numpy.random``, torch) are seeded from
+``(seed, rank, worker id, epoch)`` for every epoch: at start-up for epoch 0, and right
+after a worker ends an epoch for the next one, before the checkpoint that follows the
+END, so a restore from that checkpoint starts the next epoch from the same seed. A
+worker restored between epochs seeds its generators again as the epoch begins, which
+changes nothing for its own states and gives states saved before this rule existed the
+same next epoch as a run today. An epoch's draws
+therefore depend only on the layout and the epoch, not on what earlier epochs drew, so
+after a restore onto another layout (NOTE [ Elastic resume ] in ``datasets/elastic.py``)
+the next epochs draw exactly what a fresh run on that layout draws. Epoch 0 keeps the
+seed it always had.
+
 NOTE [ Checkpoint policy ]
 After producing an event, the worker may record a checkpoint (dataset state and its
 three global generators) in a ring. It measures what a checkpoint costs and earns a
@@ -101,12 +114,15 @@ class WorkerStart:
         delivered: Sequence number the consumer wants next (replay up to it).
         skip_epoch: The worker already ended the current epoch: produce nothing in it.
         placeholder: Yield one placeholder first (worker order after a restore).
+        new_epoch: The worker starts at the beginning of an epoch (after a restore
+            between epochs): seed its generators for it (NOTE [ Generators per epoch ]).
     """
 
     checkpoint: Checkpoint | None = None
     delivered: int = 0
     skip_epoch: bool = False
     placeholder: bool = False
+    new_epoch: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,6 +232,8 @@ class RuntimeSpec:
     checkpoint_share: float
     max_lag: int
     starts: tuple[WorkerStart, ...] = ()
+    #: The loader epoch the workers start in (NOTE [ Generators per epoch ]).
+    epoch: int = 0
     channel: CommandChannel | None = field(default=None)
 
 
@@ -233,6 +251,25 @@ class _Entry:
         return Checkpoint(
             seq=self.seq, exhausted=self.exhausted, dataset_state=self.dataset_state, rng=state
         )
+
+
+def epoch_seed(seed: int, rank: int, worker_id: int, epoch: int) -> int:
+    """The seed of a worker's global generators at the start of ``epoch``
+    (NOTE [ Generators per epoch ])."""
+    if epoch == 0:
+        return rng.derive_seed(seed, rank, worker_id, _SEED_PURPOSE)
+    return rng.derive_seed(seed, rank, worker_id, _SEED_PURPOSE, epoch)
+
+
+def epoch_rng_state(seed: int, rank: int, worker_id: int, epoch: int) -> RngState:
+    """The global generators' state :func:`epoch_seed` gives, without touching this
+    process's generators."""
+    outer = rng.capture()
+    try:
+        rng.seed_globals(epoch_seed(seed, rank, worker_id, epoch))
+        return rng.capture().to_state()
+    finally:
+        rng.apply(outer)
 
 
 def encode_dataset_state(dataset: SavableDataset[Any]) -> bytes:
@@ -299,11 +336,13 @@ class PipelineRuntime:
             )
         )
         self.seq = start.checkpoint.seq if start.checkpoint is not None else 0
+        #: The loader epoch of the last epoch() call; the first call is spec.epoch.
+        self._epoch = spec.epoch - 1
         outer = rng.capture() if in_main else None
         try:
             if start.checkpoint is None:
                 self.dataset.restore_state(None)
-                rng.seed_globals(rng.derive_seed(spec.seed, spec.rank, worker_id, _SEED_PURPOSE))
+                rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, 0))
             else:
                 checkpoint = start.checkpoint
                 self.dataset.restore_state(decode_dataset_state(checkpoint.dataset_state))
@@ -339,6 +378,7 @@ class PipelineRuntime:
     def epoch(self) -> Iterator[Event]:
         """Starts an epoch: returns the generator of this worker's events for it."""
         first, self._first_epoch = self._first_epoch, False
+        self._epoch += 1
         replay = self._replay_target - self.seq if first else 0
         if first and self._start.skip_epoch:
             if replay:
@@ -347,6 +387,8 @@ class PipelineRuntime:
                 )
             self.progress.enter(IDLE, self.seq)
             return iter(())
+        if first and self._start.new_epoch:
+            self._seed_epoch(self._epoch)
         skip = self._skip
         fast = (
             replay > 0
@@ -392,12 +434,21 @@ class PipelineRuntime:
             self.seq += 1
             if item is _END_OF_SOURCE:
                 self._exhausted = False
+                self._seed_epoch(self._epoch + 1)
                 self._checkpoint_now()
                 yield (self.worker_id, seq, END, None)
                 return
             if not self.in_main:
                 self._maybe_checkpoint(elapsed)
             yield (self.worker_id, seq, ITEM, item)
+
+    def _seed_epoch(self, epoch: int) -> None:
+        """Seeds the pipeline's global generators for ``epoch`` (NOTE [ Generators per epoch ])."""
+        outer = rng.capture() if self.in_main else None
+        rng.seed_globals(epoch_seed(self.spec.seed, self.spec.rank, self.worker_id, epoch))
+        if outer is not None:
+            self.rng = rng.capture()
+            rng.apply(outer)
 
     def failure(self, error: Exception, *, starting: bool) -> Event:
         """The ERROR event for ``error`` (NOTE [ Pipeline errors ])."""

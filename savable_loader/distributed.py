@@ -33,6 +33,7 @@ Without ``torch.distributed`` initialised, both functions work for a single rank
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -126,21 +127,27 @@ def restore_state_global(
     loader: SavableDataLoader,
     states: Sequence[RankState | dict[str, Any]] | None,
     src_rank: int | None = None,
+    *,
+    approximate: bool = False,
 ) -> None:
     """Restores every rank's state from the list :func:`save_state_global` returned.
 
-    A collective over the loader's group when ``torch.distributed`` is initialized.
+    A collective over the loader's group when ``torch.distributed`` is initialized. A
+    list saved with another number of ranks or workers is resharded onto this layout
+    (NOTE [ Elastic resume ] in ``datasets/elastic.py``): with ``src_rank`` that rank
+    computes every rank's new state and scatters them.
 
     Args:
         loader: This rank's loader.
-        states: One state per rank (``RankState`` or plain data), in rank order. With
-            ``src_rank`` None every rank passes the full list; otherwise only
+        states: One state per rank of the save (``RankState`` or plain data), in rank
+            order. With ``src_rank`` None every rank passes the full list; otherwise only
             ``src_rank`` needs it (the other ranks' argument is ignored; pass None).
         src_rank: Rank within the group that holds ``states`` and scatters them.
+        approximate: As in ``SavableDataLoader.restore_state_rank``.
 
     Raises:
-        StateMismatchError: The list holds states for another number of ranks, or a
-            state does not fit this rank's loader (raised on every rank).
+        StateMismatchError: A state does not fit this loader, or the layout changed and
+            the pipeline is not elastic (raised on every rank).
         StateFormatError: The list, or a state in it, is malformed (on every rank).
         ConfigError: ``src_rank`` is not a rank of the group, or the loader's rank and
             world size disagree with the group's.
@@ -152,17 +159,16 @@ def restore_state_global(
                 f"src_rank is {src_rank} but torch.distributed is not initialized, so the "
                 "only rank is 0; pass src_rank=None or 0"
             )
-        loader.restore_state_rank(_validated(states, loader.world_size)[0])
+        loader.restore_state_rank(_validated(states), approximate=approximate)
         return
     group = loader.worker_config.data_parallel_group
     size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
     own: RankState | None = None
     failure: BaseException | None = None
     if src_rank is None:
         try:
-            own = _validated(states, size)[rank]
             _check_layout(loader, group)
+            own = loader._own_state(_validated(states), approximate=approximate)
         except Exception as error:  # reported to every rank below
             failure = error
     else:
@@ -171,7 +177,7 @@ def restore_state_global(
                 f"src_rank {src_rank} is not a rank of the loader's group (0..{size - 1}); "
                 "it is the rank within data_parallel_group that holds the states"
             )
-        received = _scatter(group, states, src_rank)
+        received = _scatter(loader, group, states, src_rank, approximate)
         try:
             own = RankState.from_plain(received)
             _check_layout(loader, group)
@@ -186,16 +192,29 @@ def restore_state_global(
 
 
 def _scatter(
+    loader: SavableDataLoader,
     group: Any,
     states: Sequence[RankState | dict[str, Any]] | None,
     src_rank: int,
+    approximate: bool,
 ) -> Any:
     """Sends each rank its plain state from ``src_rank``; raises on every rank if invalid."""
     size = dist.get_world_size(group)
     payload: list[Any] | None = None
     if dist.get_rank(group) == src_rank:
         try:
-            payload = [("ok", state.to_plain()) for state in _validated(states, size)]
+            saved = _validated(states)
+            if len(saved) == size and all(s.num_workers == loader.num_workers for s in saved):
+                mine = saved
+            else:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    mine = [
+                        loader.reshard(saved, rank=r, approximate=approximate) for r in range(size)
+                    ]
+                for warning in caught[:1]:  # one per rank, all alike
+                    warnings.warn(warning.message, warning.category, stacklevel=3)
+            payload = [("ok", state.to_plain()) for state in mine]
         except Exception as error:  # sent to every rank instead of the states
             payload = [("error", (type(error).__name__, str(error)))] * size
     received: list[Any] = [None]
@@ -210,8 +229,8 @@ def _scatter(
     return body
 
 
-def _validated(states: Any, world_size: int) -> list[RankState]:
-    """Checks ``states`` is a list of ``world_size`` states, each at its own rank's index."""
+def _validated(states: Any) -> list[RankState]:
+    """Checks ``states`` is a list of states, each at its own rank's index."""
     if states is None or isinstance(states, (RankState, dict, str, bytes)):
         raise StateFormatError(
             "restore_state_global takes the list save_state_global() or load_state() "
@@ -222,18 +241,13 @@ def _validated(states: Any, world_size: int) -> list[RankState]:
         raise StateFormatError(
             f"restore_state_global takes a list of states, got {type(states).__name__}"
         )
-    if len(states) != world_size:
-        raise StateMismatchError(
-            f"cannot restore: world_size was {len(states)} when the states were saved and "
-            f"is {world_size} now; run the job with {len(states)} ranks (a state restores "
-            "only on the world size it was saved with)"
-        )
     validated = [RankState.from_plain(state) for state in states]
     for index, state in enumerate(validated):
-        if state.rank != index:
+        if state.rank != index or state.world_size != len(validated):
             raise StateFormatError(
-                f"states[{index}] is the state of rank {state.rank}; the list must hold "
-                "one state per rank in rank order, as save_state_global() returns it"
+                f"states[{index}] is the state of rank {state.rank} of {state.world_size}; "
+                "the list must hold one state per rank in rank order, as save_state_global() "
+                "returns it"
             )
     return validated
 

@@ -10,6 +10,7 @@ a dead worker), so existing ``except`` clauses keep working.
 from __future__ import annotations
 
 __all__ = [
+    "ApproximateResumeWarning",
     "ConfigError",
     "DatasetError",
     "SavableLoaderError",
@@ -68,3 +69,11 @@ class DatasetError(SavableLoaderError):
         super().__init__(message)
         self.worker_id = worker_id
         self.index = index
+
+
+class ApproximateResumeWarning(UserWarning):
+    """A restore onto another layout was asked to be approximate and had to be.
+
+    The message says which stage could not move its position and what the resumed
+    stream repeats or skips (NOTE [ Elastic resume ] in ``datasets/elastic.py``).
+    """

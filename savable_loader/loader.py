@@ -86,7 +86,7 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import _torch_compat, distributed
+from . import _elastic, _torch_compat, distributed
 from ._commands import CommandChannel, NoAnswerError
 from ._version import __version__
 from ._worker import (
@@ -314,18 +314,7 @@ class SavableDataLoader(DataLoader[Any]):
         # them for an iterable dataset, so they can report what the user asked for.
         object.__setattr__(self, "batch_size", batch_size)
         object.__setattr__(self, "drop_last", drop_last)
-        self.fingerprint = fingerprint(
-            {
-                "dataset": self.source.config(),
-                "loader": {
-                    "batch_size": batch_size,
-                    "drop_last": drop_last,
-                    "seed": seed,
-                    "num_workers": num_workers,
-                    "collate_fn": _qualname(collate_fn),
-                },
-            }
-        )
+        self.fingerprint = self._fingerprint(num_workers)
         self._book = _Book.fresh(workers)
         self._resume: list[Checkpoint | None] = [None] * workers
         self._stream: Any = None
@@ -338,21 +327,38 @@ class SavableDataLoader(DataLoader[Any]):
         #: Why the loader cannot continue until a restore (NOTE [ Errors stop the stream ]).
         self._broken: str | None = None
 
+    def _fingerprint(self, num_workers: int) -> str:
+        """The fingerprint of this pipeline and loader with ``num_workers`` workers."""
+        return fingerprint(
+            {
+                "dataset": self.source.config(),
+                "loader": {
+                    "batch_size": self.batch_size,
+                    "drop_last": self.drop_last,
+                    "seed": self.seed,
+                    "num_workers": num_workers,
+                    "collate_fn": _qualname(self._spec.collate_fn),
+                },
+            }
+        )
+
     # -- iteration --------------------------------------------------------------------
 
     def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
         """Returns an iterator over the stream (NOTE [ Iterators continue the stream ])."""
         self._check_usable()
+        new_epoch = False
         if self._book.all_ended():
             self._book.start_epoch()
+            new_epoch = True
             if self._stream is not None:
                 self._stream = self._torch_iterator()
                 self._stream_done = False
         if self._stream is None:
-            self._start_stream()
+            self._start_stream(new_epoch=new_epoch)
         return _LoaderIterator(self)
 
-    def _start_stream(self) -> None:
+    def _start_stream(self, *, new_epoch: bool = False) -> None:
         book = self._book
         self._spec.starts = tuple(
             WorkerStart(
@@ -360,9 +366,11 @@ class SavableDataLoader(DataLoader[Any]):
                 delivered=book.delivered[w],
                 skip_epoch=book.ended[w],
                 placeholder=w < book.next_worker and not book.ended[w],
+                new_epoch=new_epoch,
             )
             for w in range(len(book.delivered))
         )
+        self._spec.epoch = book.epoch
         if self.num_workers > 0:
             context = self.multiprocessing_context or torch.multiprocessing.get_context()
             self._channel = CommandChannel(context, self.num_workers)
@@ -743,15 +751,34 @@ class SavableDataLoader(DataLoader[Any]):
         )
         return [dict(answer) for answer in answers]
 
-    def restore_state_rank(self, state: RankState | dict[str, Any] | None) -> None:
+    def restore_state_rank(
+        self,
+        state: RankState | dict[str, Any] | Sequence[RankState | dict[str, Any]] | None,
+        *,
+        approximate: bool = False,
+    ) -> None:
         """Moves the stream to ``state`` (None: the start); running workers are stopped.
 
-        ``state`` is never modified. The next item comes from the restored position; a
-        state saved after an epoch's end restores to between epochs.
+        ``state`` is this rank's state, or the list of every rank's state of one save (as
+        :meth:`save_state_global` or :func:`~savable_loader.load_state` return it), from
+        which this rank takes its own. A list saved with another number of workers or
+        ranks is resharded onto this loader's (NOTE [ Elastic resume ] in
+        ``datasets/elastic.py``); a single state may change the number of workers only
+        when it was saved on one rank. ``state`` is never modified. The next item comes
+        from the restored position; a state saved after an epoch's end restores to
+        between epochs.
+
+        Args:
+            state: The state, the list of every rank's state, or None.
+            approximate: When the layout changes and the pipeline is not elastic, restart
+                the interrupted epoch on the new layout (with an
+                :class:`~savable_loader.ApproximateResumeWarning` saying so) instead of
+                raising.
 
         Raises:
             StateError: ``state`` is malformed, or was saved by an incompatible loader
-                (another pipeline, worker count, batch size, seed, rank or world size).
+                (another pipeline, batch size or seed; another layout when the pipeline
+                is not elastic and ``approximate`` is False).
         """
         self._check_open()
         if state is None:
@@ -760,12 +787,72 @@ class SavableDataLoader(DataLoader[Any]):
             self._resume = [None] * len(self._resume)
             self._broken = None
             return
-        state = RankState.from_plain(state)
+        state = self._own_state(state, approximate=approximate)
         self._check_compatible(state)
         self._stop_stream()
         self._book = _Book.of(state)
         self._resume = [worker.checkpoint for worker in state.workers]
         self._broken = None
+
+    def _own_state(
+        self,
+        state: RankState | dict[str, Any] | Sequence[RankState | dict[str, Any]],
+        *,
+        approximate: bool,
+    ) -> RankState:
+        """This rank's state from ``state``, resharded if it was saved on another layout."""
+        if isinstance(state, (RankState, dict)):
+            single = RankState.from_plain(state)
+            layout = (self.world_size, self.num_workers)
+            if single.world_size != 1 or (1, single.num_workers) == layout:
+                return single
+            states = [single]
+        elif isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+            states = [RankState.from_plain(entry) for entry in state]
+        else:
+            raise StateFormatError(
+                "restore_state_rank takes a state, a list of every rank's state, or None; "
+                f"got {type(state).__name__}"
+            )
+        if (
+            states
+            and len(states) == self.world_size
+            and all(s.num_workers == self.num_workers for s in states)
+            and all(s.world_size == self.world_size for s in states)
+        ):
+            if states[self.rank].rank != self.rank:
+                raise StateFormatError(
+                    f"states[{self.rank}] is the state of rank {states[self.rank].rank}; the "
+                    "list must hold one state per rank in rank order"
+                )
+            return states[self.rank]
+        return self.reshard(states, rank=self.rank, approximate=approximate)
+
+    def reshard(
+        self,
+        states: Sequence[RankState | dict[str, Any]],
+        *,
+        rank: int,
+        approximate: bool = False,
+    ) -> RankState:
+        """Returns rank ``rank``'s state in this loader's layout from every rank's state of
+        a save made with another number of workers or ranks (NOTE [ Elastic resume ] in
+        ``datasets/elastic.py``). Nothing is restored; no process is started.
+
+        Raises:
+            StateError: As :meth:`restore_state_rank`.
+        """
+        layout = _elastic.Layout(
+            dataset=self._spec.dataset,
+            fingerprint=self.fingerprint,
+            fingerprint_for=self._fingerprint,
+            seed=self.seed,
+            batch_size=self._spec.batch_size,
+            world_size=self.world_size,
+            num_workers=self.num_workers,
+        )
+        plain = [RankState.from_plain(entry) for entry in states]
+        return _elastic.reshard(plain, layout, rank, approximate=approximate)
 
     def save_state_global(self, global_dst_rank: int = 0) -> list[RankState] | None:
         """Gathers every rank's state on ``global_dst_rank``: a collective, every rank calls it.
@@ -783,17 +870,22 @@ class SavableDataLoader(DataLoader[Any]):
         self,
         states: Sequence[RankState | dict[str, Any]] | None,
         src_rank: int | None = None,
+        *,
+        approximate: bool = False,
     ) -> None:
         """Restores every rank from the list :meth:`save_state_global` returned.
 
         Either every rank passes the full list (``src_rank=None``), or only ``src_rank``
         (a rank within the data-parallel group) does and each rank receives its own entry.
+        A list saved with another number of ranks or workers is resharded (NOTE [ Elastic
+        resume ] in ``datasets/elastic.py``); ``approximate`` is as in
+        :meth:`restore_state_rank`.
 
         Raises:
-            StateError: The list does not fit this job (world size, pipeline, ...); every
-                rank raises.
+            StateError: The list does not fit this job (pipeline, seed, batch size, or a
+                layout change on a pipeline that is not elastic); every rank raises.
         """
-        distributed.restore_state_global(self, states, src_rank)
+        distributed.restore_state_global(self, states, src_rank, approximate=approximate)
 
     def state_dict(self) -> dict[str, bytes]:
         """Returns this rank's state for ``torch.distributed.checkpoint`` or ``torch.save``.
@@ -838,13 +930,19 @@ class SavableDataLoader(DataLoader[Any]):
     def _check_compatible(self, state: RankState) -> None:
         _check_plausible(state)
         checks = [
-            ("world_size", state.world_size, self.world_size, "run with the same number of ranks"),
+            (
+                "world_size",
+                state.world_size,
+                self.world_size,
+                "restore the list of every rank's state (restore_state_global) to reshard it",
+            ),
             ("rank", state.rank, self.rank, "restore each rank's own state"),
             (
                 "num_workers",
                 state.num_workers,
                 self.num_workers,
-                f"build the loader with num_workers={state.num_workers}",
+                f"build the loader with num_workers={state.num_workers}, or restore the list "
+                "of every rank's state to reshard it onto this layout",
             ),
             (
                 "batch_size",

@@ -244,7 +244,7 @@ EDIT_CASES: list[tuple[str, Edit, type[StateError], str]] = [
     ("dataset_state as str", _set(f"{CK}.dataset_state", "{}"), StateFormatError, "bytes"),
     ("rng as None", _set(f"{CK}.rng", None), StateFormatError, "rng"),
     ("python rng cut", _set(f"{CK}.rng.python", b"\0" * 10), StateFormatError, "rng.python"),
-    ("state is a list", lambda s: None, StateFormatError, "a loader state is a dict"),
+    ("state is a str", lambda s: None, StateFormatError, "takes a state, a list of every"),
     # Extra fields.
     ("extra top-level field", _set("surprise", 1), StateFormatError, "surprise\n  Extra inputs"),
     ("extra worker field", _set("workers.0.surprise", 1), StateFormatError, "workers.0.surprise"),
@@ -313,8 +313,8 @@ EDIT_CASES: list[tuple[str, Edit, type[StateError], str]] = [
 
 
 def _edited(saved: dict[str, Any], name: str, edit: Edit) -> Any:
-    if name == "state is a list":
-        return [saved]
+    if name == "state is a str":
+        return "a state"
     state = copy.deepcopy(saved)
     edit(state)
     return state
@@ -385,14 +385,14 @@ def test_a_global_list_with_one_bad_entry_is_refused_whole(tmp_path, saved):
 @pytest.mark.parametrize(
     ("other", "field", "saved_value", "current", "fix"),
     [
-        ({"num_workers": 2}, "num_workers", 0, 2, "build the loader with num_workers=0"),
+        ({"num_workers": 2}, "num_workers", 0, 2, "restore on the number of workers and ranks"),
         ({"batch_size": 3}, "batch_size", 2, 3, "build the loader with batch_size=2"),
         (
             {"worker_config": WorkerConfig(rank=0, world_size=2)},
             "world_size",
             1,
             2,
-            "run with the same number of ranks",
+            "restore on the number of workers and ranks",
         ),
         ({"seed": 1}, "seed", 0, 1, "build the loader with seed=0"),
     ],

@@ -8,6 +8,7 @@ import savable_loader
 def test_all_is_sorted_and_pinned():
     assert savable_loader.__all__ == sorted(savable_loader.__all__)
     assert savable_loader.__all__ == [
+        "ApproximateResumeWarning",
         "ConfigError",
         "DatasetError",
         "RankState",

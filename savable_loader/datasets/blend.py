@@ -87,6 +87,15 @@ class Blend(Stage[T]):
         generator state is saved; restore restores each source and replays nothing.
     """
 
+    elastic_reason = (
+        "its generator chose which source each of a worker's items came from, and that "
+        "sequence cannot be split over other workers"
+    )
+    elastic_fix = (
+        "restore on the number of workers and ranks it was saved with, or pass "
+        "approximate=True to restart the interrupted epoch on the new layout"
+    )
+
     def __init__(
         self,
         sources: Sequence[Any],

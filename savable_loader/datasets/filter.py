@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 from ..config import WorkerContext
 from ..errors import ConfigError
+from .elastic import ReshardPlan
 from .map import qualname
 from .stage import Cursor, Transform, TransformCursor
 
@@ -27,7 +28,8 @@ class Filter(Transform[T]):
         ConfigError: ``predicate`` is not callable.
 
     State:
-        The parent's state: Filter adds nothing. Restore replays nothing.
+        The parent's state: Filter adds nothing. Restore replays nothing. Elastic
+        when its source is (NOTE [ Elastic resume ]).
     """
 
     def __init__(self, source: Any, predicate: Callable[[T], bool]) -> None:
@@ -48,6 +50,10 @@ class Filter(Transform[T]):
 
     def cursor(self, context: WorkerContext) -> Cursor[T]:
         return _FilterCursor(self.predicate, self.source.cursor(context), context)
+
+    def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
+        """Elastic when the source is: a filter adds no state (NOTE [ Elastic resume ])."""
+        return {"parent": self.source.reshard(plan.parents())}
 
 
 class _FilterCursor(TransformCursor[T]):

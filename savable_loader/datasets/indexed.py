@@ -9,6 +9,19 @@ padding. Within a rank, the positions are cut into blocks of ``batch_size`` and 
 round-robin worker order, a rank's batches come out in the order of its positions, as
 with torch's ``DataLoader`` over a map-style dataset. Position ``k`` of a worker's shard
 is computed in O(1), so a state is two integers and ``skip`` moves by arithmetic.
+
+NOTE [ Elastic indexed order ]
+``perm_e`` depends on the seed and the epoch only, never on the layout, so its positions
+are the canonical order of the epoch. What a layout consumed before a save is, per
+(rank, worker) stream, a prefix of that stream's positions; their union is recorded for
+the new layout as ``done_below`` (every position below it was consumed) plus ``done``
+(the consumed positions above it, ascending; a handful when ranks stood at nearly the
+same step). The rest of the epoch is the remaining positions in canonical order, laid
+out over the new ranks and workers exactly as a whole epoch is: element ``k`` of the
+remaining list goes to rank ``k % R``, then in batch blocks to workers. A second elastic
+restore in that epoch maps the new streams' prefixes back through the remaining list,
+so resharding composes. The next epoch is laid out as a fresh run on the new layout
+lays it out.
 """
 
 from __future__ import annotations
@@ -19,8 +32,9 @@ import numpy as np
 from pydantic import Field
 
 from ..config import WorkerContext
-from ..errors import ConfigError
+from ..errors import ConfigError, StateError
 from ..rng import derive_seed
+from .elastic import ReshardPlan
 from .stage import Cursor, Stage, StageState, validate_state
 
 __all__ = ["IndexedDataset"]
@@ -41,6 +55,15 @@ class _State(StageState):
 
     epoch: int = Field(ge=0, description="The epoch being read.")
     pos: int = Field(ge=0, description="Items of this worker's shard already read in it.")
+    done_below: int | None = Field(
+        default=None,
+        ge=0,
+        description="After an elastic restore: every position of the epoch below this one "
+        "was consumed before it (NOTE [ Elastic indexed order ]).",
+    )
+    done: list[int] | None = Field(
+        default=None, description="After an elastic restore: consumed positions above done_below."
+    )
 
 
 class IndexedDataset(Stage[T]):
@@ -58,7 +81,10 @@ class IndexedDataset(Stage[T]):
 
     State:
         ``{"epoch": e, "pos": k}``: the epoch and the position in this worker's shard
-        (NOTE [ Indexed order and sharding ]). Restore is O(1); skipping is O(1) with
+        (NOTE [ Indexed order and sharding ]). After a restore onto another number of
+        workers or ranks, the resumed epoch's state also holds ``done_below`` and
+        ``done``, the positions consumed before it (NOTE [ Elastic indexed order ]).
+        Restore is O(1); skipping is O(1) with
         ``deterministic_items``, and fetches the skipped items otherwise so that global
         generators advance exactly as they would. Nothing is replayed beyond what the
         loader asks.
@@ -96,6 +122,9 @@ class IndexedDataset(Stage[T]):
     def cursor(self, context: WorkerContext) -> IndexedCursor[T]:
         return IndexedCursor(self, context)
 
+    def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
+        return reshard_indexed(self, plan)
+
     def __len__(self) -> int:
         """Items in this worker's shard of an epoch."""
         return IndexedCursor(self, self._context).shard_length
@@ -109,8 +138,17 @@ class IndexedCursor(Cursor[T]):
         self.stage = stage
         self.epoch = 0
         self.pos = 0
-        self.shard_length = shard_length(len(stage.data), context)
+        #: Positions consumed before an elastic restore, in epoch ``self.epoch`` only.
+        self.done: tuple[int, np.ndarray] | None = None
+        self._full_length = shard_length(len(stage.data), context)
         self._order: tuple[int, np.ndarray | None] = (-1, None)
+
+    @property
+    def shard_length(self) -> int:
+        """Items of this worker's shard in the current epoch."""
+        if self.done is None:
+            return self._full_length
+        return len(self._indices())
 
     def __next__(self) -> T:
         pos = self.pos
@@ -121,16 +159,27 @@ class IndexedCursor(Cursor[T]):
         self.pos = pos + 1
         return self.stage.data[index]
 
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
+    def state(self) -> dict[str, Any]:
+        if self.done is None:
+            return {"epoch": self.epoch, "pos": self.pos}
+        below, done = self.done
+        return {"epoch": self.epoch, "pos": self.pos, "done_below": below, "done": done.tolist()}
 
     def restore(self, state: Any | None) -> None:
         position = _State(epoch=0, pos=0) if state is None else _parse(state)
         self.epoch, self.pos = position.epoch, position.pos
+        self.done = _done(position, len(self.stage.data))
+        self._order = (-1, None)
+        if self.pos > self.shard_length:
+            raise StateError(
+                f"IndexedDataset: position {self.pos} is past this worker's shard of "
+                f"{self.shard_length} items; restore a state saved by the same pipeline"
+            )
 
     def end_epoch(self) -> None:
         self.epoch += 1
         self.pos = 0
+        self.done = None
 
     def can_skip(self) -> bool:
         return True
@@ -151,7 +200,12 @@ class IndexedCursor(Cursor[T]):
         (one array operation instead of arithmetic per item)."""
         epoch, indices = self._order
         if epoch != self.epoch or indices is None:
-            positions = global_position(np.arange(self.shard_length, dtype=np.int64), self.context)
+            length = len(self.stage.data)
+            remaining = None if self.done is None else _remaining(length, *self.done)
+            count = shard_length(length if remaining is None else len(remaining), self.context)
+            positions = global_position(np.arange(count, dtype=np.int64), self.context)
+            if remaining is not None:
+                positions = remaining[positions]
             if self.stage.shuffled:
                 seed = derive_seed(self.stage.seed, _PERMUTATION_PURPOSE, self.epoch)
                 positions = np.random.default_rng(seed).permutation(len(self.stage.data))[positions]
@@ -162,6 +216,85 @@ class IndexedCursor(Cursor[T]):
 
 def _parse(state: Any) -> _State:
     return validate_state(_State, state, "IndexedDataset")
+
+
+def _done(position: _State, length: int) -> tuple[int, np.ndarray] | None:
+    """The consumed positions a state records, checked (NOTE [ Elastic indexed order ])."""
+    if position.done_below is None and position.done is None:
+        return None
+    if position.done_below is None or position.done is None:
+        raise StateError(
+            "IndexedDataset: malformed state (done_below and done come together); restore "
+            "a state saved by the same pipeline"
+        )
+    done = np.asarray(position.done, dtype=np.int64)
+    below = position.done_below
+    if below > length or (
+        len(done) and (done[0] <= below or done[-1] >= length or np.any(np.diff(done) <= 0))
+    ):
+        raise StateError(
+            f"IndexedDataset: malformed state (done_below {below} and done must be ascending "
+            f"positions of an epoch of {length} items); restore a state saved by the same "
+            "pipeline"
+        )
+    return below, done
+
+
+def _remaining(length: int, below: int, done: np.ndarray) -> np.ndarray:
+    """The positions of the epoch not consumed, ascending."""
+    return np.setdiff1d(np.arange(below, length, dtype=np.int64), done, assume_unique=True)
+
+
+def reshard_indexed(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, Any]:
+    """The state of ``plan.new``'s stream (NOTE [ Elastic indexed order ])."""
+    length = len(stage.data)
+    consumed = np.zeros(length, dtype=bool)
+    finished: list[WorkerContext] = []
+    remaining: np.ndarray | None = None
+    records: set[tuple[int, tuple[int, ...]] | None] = set()
+    for stream in plan.old:
+        position = _State(epoch=0, pos=0) if stream.state is None else _parse(stream.state)
+        if position.epoch == plan.epoch + 1 and position.pos == 0 and position.done is None:
+            finished.append(stream.context)
+            continue
+        if position.epoch != plan.epoch:
+            raise StateError(
+                f"IndexedDataset: a saved stream stands in epoch {position.epoch} while the "
+                f"loader resumes epoch {plan.epoch}; restore a state saved by the same pipeline"
+            )
+        done = _done(position, length)
+        records.add(None if done is None else (done[0], tuple(done[1].tolist())))
+        stream_remaining = (
+            np.arange(length, dtype=np.int64) if done is None else _remaining(length, *done)
+        )
+        count = shard_length(len(stream_remaining), stream.context)
+        if position.pos > count:
+            raise StateError(
+                f"IndexedDataset: position {position.pos} is past the shard of {count} items "
+                f"of rank {stream.context.rank} worker {stream.context.worker_id}"
+            )
+        read = global_position(np.arange(position.pos, dtype=np.int64), stream.context)
+        consumed[stream_remaining[read]] = True
+        remaining = stream_remaining
+    if len(records) > 1:
+        raise StateError(
+            "IndexedDataset: the saved streams disagree on what was consumed before their "
+            "own restore; restore the states of one save together"
+        )
+    if remaining is None:
+        # Every stream finished the epoch: nothing of it is left.
+        consumed[:] = True
+    else:
+        consumed[np.setdiff1d(np.arange(length, dtype=np.int64), remaining)] = True
+        for context in finished:
+            count = shard_length(len(remaining), context)
+            consumed[remaining[global_position(np.arange(count, dtype=np.int64), context)]] = True
+    if not consumed.any():
+        return {"epoch": plan.epoch, "pos": 0}
+    open_positions = np.flatnonzero(~consumed)
+    below = int(open_positions[0]) if len(open_positions) else length
+    above = np.flatnonzero(consumed[below:]) + below
+    return {"epoch": plan.epoch, "pos": 0, "done_below": below, "done": above.tolist()}
 
 
 def _block(context: WorkerContext) -> int:

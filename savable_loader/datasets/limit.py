@@ -20,6 +20,16 @@ parent that can skip but not count (a user's dataset with ``skip``) is assumed t
 passed all ``m``: the state then shows a larger ``count`` than reading would, but the
 stream is the same, since from the end of the parent's epoch both ``next()`` paths move
 the parent to its next epoch, reset ``count`` and raise StopIteration.
+
+NOTE [ Elastic limit ]
+On a restore onto another layout (NOTE [ Elastic resume ] in ``elastic.py``), what the
+saved streams still had to yield in the resumed epoch (``n - count`` for each stream
+still in it, 0 for a stream that finished it) is summed and split over the new streams
+as evenly as possible, lower shard indices taking the extra items; each new stream keeps
+its share as ``quota``, its limit for the rest of that epoch. The items themselves come
+from the parent's resharded rest of the epoch, so nothing consumed before the save comes
+again, and the resumed epoch yields as many items as the saved layout had left (fewer
+only if the parent runs out first). The next epoch has ``n`` per stream again.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ from pydantic import Field
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ._skips import counts_skips, skip_counted
-from .stage import Cursor, StageState, Transform, TransformCursor
+from .elastic import ReshardPlan
+from .stage import Cursor, StageState, Transform, TransformCursor, validate_state
 
 __all__ = ["Limit"]
 
@@ -52,6 +63,8 @@ class Limit(Transform[T]):
         ``{"parent": ..., "count": c}``: the parent's state and ``c``, the items this
         epoch has yielded (0 to ``n``). Restore is O(1) on top of the parent's and
         replays nothing; ``skip`` is as cheap as the parent's (NOTE [ Skipping a limit ]).
+        After a restore onto another layout, the resumed epoch's state also holds
+        ``quota``, this stream's limit for the rest of it (NOTE [ Elastic limit ]).
     """
 
     def __init__(self, source: Any, n: int) -> None:
@@ -69,9 +82,39 @@ class Limit(Transform[T]):
     def cursor(self, context: WorkerContext) -> Cursor[T]:
         return _LimitCursor(self.n, self.source.cursor(context), context)
 
+    def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
+        """Splits what the saved streams had left over the new ones (NOTE [ Elastic limit ])."""
+        parent = self.source.reshard(plan.parents())
+        left = 0
+        for stream in plan.old:
+            if stream.state is None:
+                left += self.n
+                continue
+            own = validate_state(
+                _Count, {k: v for k, v in stream.state.items() if k != "parent"}, "Limit"
+            )
+            if _epoch_of(stream.state["parent"]) == plan.epoch:
+                left += max(0, (self.n if own.quota is None else own.quota) - own.count)
+        streams, index = plan.new.num_shards, plan.new.shard_index
+        quota = left // streams + (1 if index < left % streams else 0)
+        return {"parent": parent, "count": 0, "quota": quota}
+
+
+def _epoch_of(state: Any) -> int | None:
+    """The epoch a transform chain's state stands in, read from its innermost stage."""
+    while isinstance(state, dict):
+        if "epoch" in state:
+            epoch = state["epoch"]
+            return epoch if isinstance(epoch, int) else None
+        state = state.get("parent")
+    return None
+
 
 class _Count(StageState):
     count: int = Field(ge=0, description="Items yielded in this epoch.")
+    quota: int | None = Field(
+        default=None, ge=0, description="This epoch's limit after an elastic restore."
+    )
 
 
 class _LimitCursor(TransformCursor[T]):
@@ -81,34 +124,44 @@ class _LimitCursor(TransformCursor[T]):
         super().__init__(parent, context)
         self.n = n
         self.count = 0
+        #: This epoch's limit after an elastic restore (NOTE [ Elastic limit ]).
+        self.quota: int | None = None
+
+    @property
+    def limit(self) -> int:
+        return self.n if self.quota is None else self.quota
 
     def __next__(self) -> T:
-        if self.count >= self.n:
+        if self.count >= self.limit:
             self.end_epoch()
             raise StopIteration
         try:
             item: T = next(self.parent)
         except StopIteration:
-            self.count = 0
+            self.count, self.quota = 0, None
             raise
         self.count += 1
         return item
 
     def own_state(self) -> dict[str, Any]:
-        return {"count": self.count}
+        if self.quota is None:
+            return {"count": self.count}
+        return {"count": self.count, "quota": self.quota}
 
     def restore_own(self, state: Any | None) -> None:
         count = state.count if isinstance(state, _Count) else 0
-        if count > self.n:
+        self.quota = state.quota if isinstance(state, _Count) else None
+        if count > self.limit:
+            bound = f"n={self.n}" if self.quota is None else f"its quota {self.quota}"
             raise StateError(
-                f"Limit: count {count} in the state exceeds n={self.n}; restore a state "
-                "saved by the same pipeline"
+                f"Limit: count {count} in the state exceeds {bound}; restore a state saved "
+                "by the same pipeline"
             )
         self.count = count
 
     def end_epoch(self) -> None:
         self.parent.end_epoch()
-        self.count = 0
+        self.count, self.quota = 0, None
 
     def can_skip(self) -> bool:
         return self.parent.can_skip()
@@ -121,7 +174,7 @@ class _LimitCursor(TransformCursor[T]):
 
     def skip_counted(self, n: int) -> int:
         """Skips like :meth:`skip`; returns the items passed (NOTE [ Skipping a limit ])."""
-        wanted = max(0, min(n, self.n - self.count))
+        wanted = max(0, min(n, self.limit - self.count))
         passed = skip_counted(self.parent, wanted)
         passed = wanted if passed is None else passed
         self.count += passed

@@ -19,6 +19,7 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
+from .elastic import ReshardPlan
 from .stage import Cursor, StageState, Transform, TransformCursor
 
 __all__ = ["Map"]
@@ -44,7 +45,9 @@ class Map(Transform[U]):
     State:
         Without a seed, the parent's state: Map adds nothing. With a seed, also
         ``{"epoch": e, "position": p}``, the key of the next item's generator. Restore
-        replays nothing.
+        replays nothing. Elastic when its source is: after a restore onto another layout,
+        the rest of the epoch keys its generators by the new streams' positions, and the
+        next epochs by the same keys as a fresh run on that layout.
     """
 
     def __init__(self, source: Any, fn: Callable[..., U], *, seed: int | None = None) -> None:
@@ -67,6 +70,14 @@ class Map(Transform[U]):
     def describe_own(self) -> str:
         seed = "" if self.seed is None else f", seed={self.seed}"
         return f"map({getattr(self.fn, '__name__', type(self.fn).__name__)}{seed})"
+
+    def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
+        """Elastic when the source is (NOTE [ Elastic resume ]); a seeded map's new
+        streams count their positions from 0 in the resumed epoch."""
+        parent = {"parent": self.source.reshard(plan.parents())}
+        if self.seed is None:
+            return parent
+        return {**parent, "epoch": plan.epoch, "position": 0}
 
     def cursor(self, context: WorkerContext) -> Cursor[U]:
         parent = self.source.cursor(context)

@@ -66,6 +66,12 @@ class Repeat(Transform[T]):
         skip and count (NOTE [ Skipping a repeat ]), and the loader reads otherwise.
     """
 
+    elastic_reason = "its passes count one worker's passes over its own shard"
+    elastic_fix = (
+        "restore on the number of workers and ranks it was saved with, or pass "
+        "approximate=True to restart the interrupted epoch on the new layout"
+    )
+
     def __init__(self, source: Any, times: int | None = None) -> None:
         super().__init__(source)
         if times is not None and (not isinstance(times, int) or isinstance(times, bool)):

@@ -74,6 +74,16 @@ class Shuffle(Transform[T]):
         [ Shuffle restore point ]). No fast skip.
     """
 
+    elastic_reason = (
+        "its buffer holds items one worker read, and its generator continues that worker's "
+        "draws, so they cannot be split over other workers"
+    )
+    elastic_fix = (
+        "restore on the number of workers and ranks it was saved with, shuffle at the source "
+        "instead (IndexedDataset(shuffle=True) or shuffle_shards=True), or pass "
+        "approximate=True to restart the interrupted epoch on the new layout"
+    )
+
     def __init__(self, source: Any, *, buffer_size: int, seed: int) -> None:
         super().__init__(source)
         if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:

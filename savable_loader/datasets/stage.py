@@ -43,6 +43,7 @@ from .base import SavableDataset
 
 if TYPE_CHECKING:
     from .blend import Blend
+    from .elastic import ReshardPlan
     from .filter import Filter
     from .limit import Limit
     from .map import Map
@@ -133,6 +134,16 @@ class Stage(SavableDataset[T]):
 
     _context: WorkerContext = _DEFAULT_CONTEXT
     _live_cursor: Cursor[T] | None = None
+    #: Why this stage's position cannot move to another layout (NOTE [ Elastic resume ]
+    #: in ``elastic.py``), and what to change; stages that can move override reshard().
+    elastic_reason: ClassVar[str] = (
+        "its state describes the worker that saved it and cannot be split or merged over "
+        "other workers"
+    )
+    elastic_fix: ClassVar[str] = (
+        "restore on the number of workers and ranks it was saved with, or pass "
+        "approximate=True to restart the interrupted epoch on the new layout"
+    )
 
     @abc.abstractmethod
     def cursor(self, context: WorkerContext) -> Cursor[T]:
@@ -145,6 +156,16 @@ class Stage(SavableDataset[T]):
     def describe(self) -> str:
         """Returns a one-line description; ``str(stage)`` shows it."""
         return type(self).__name__
+
+    def reshard(self, plan: ReshardPlan) -> Any:
+        """Returns the state of the new stream ``plan.new`` (NOTE [ Elastic resume ]).
+
+        Raises:
+            NotElastic: This stage's position cannot move to another layout.
+        """
+        from .elastic import NotElastic
+
+        raise NotElastic(self.describe(), self.elastic_reason, self.elastic_fix)
 
     def __str__(self) -> str:
         return self.describe()
@@ -307,6 +328,16 @@ class DatasetStage(Stage[T]):
     State:
         The dataset's own ``save_state()``, unchanged.
     """
+
+    elastic_reason = (
+        "its state is your dataset's own save_state(), which only your dataset can read"
+    )
+    elastic_fix = (
+        "restore on the number of workers and ranks it was saved with, build the pipeline "
+        "from IndexedDataset (or a map-style dataset), JsonLinesSource, TokenSource or "
+        "TarSource, or pass approximate=True to restart the interrupted epoch on the new "
+        "layout"
+    )
 
     def __init__(self, dataset: SavableDataset[T]) -> None:
         self.dataset = dataset

@@ -1,0 +1,86 @@
+"""What a stage is told when a state moves to another number of workers or ranks.
+
+NOTE [ Elastic resume ]
+A saved state holds one position per (rank, worker) stream. To restore it onto another
+layout, the loader first brings every saved stream to the consumer's exact position
+(restoring its checkpoint and replaying what the ring left out, in the main process),
+then asks the pipeline's outermost stage for the state of each *new* stream with a
+:class:`ReshardPlan`: the epoch being resumed, every old stream's context and exact
+state, and the new stream's context. A transform answers from its parent's answer
+(``plan.parents()``) plus what it adds; a source works out which of the epoch's items
+the old streams consumed and lays the rest out over the new streams
+(NOTE [ Elastic indexed order ] in ``indexed.py``, NOTE [ Elastic file order ] in
+``_shards.py``). Every new stream computes its answer alone from the same plan, so the
+streams agree without talking to each other.
+
+A stage whose state ties it to the worker that saved it (a shuffle buffer, a blend's
+generator, a user's own dataset) raises :class:`NotElastic`; the loader turns that into
+a ``StateError`` that names the stage, says why and what to change, unless the user
+asked for an approximate resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..config import WorkerContext
+
+__all__ = ["NotElastic", "OldStream", "ReshardPlan"]
+
+
+class NotElastic(Exception):
+    """A stage cannot carry its position to another layout (NOTE [ Elastic resume ]).
+
+    Args:
+        stage: The stage's description (``stage.describe()``).
+        reason: Why its position is tied to the layout that saved it.
+        fix: What the user can change to make the pipeline elastic.
+    """
+
+    def __init__(self, stage: str, reason: str, fix: str) -> None:
+        super().__init__(f"{stage}: {reason}; {fix}")
+        self.stage = stage
+        self.reason = reason
+        self.fix = fix
+
+
+@dataclass(frozen=True)
+class OldStream:
+    """One (rank, worker) stream of the saved layout.
+
+    Attributes:
+        context: The stream's rank and worker in the saved layout.
+        state: The stage's exact state at the consumer's position (None: the stream never
+            started, so it stands at the start of epoch 0).
+    """
+
+    context: WorkerContext
+    state: Any
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """What a stage needs to give a new stream its state (NOTE [ Elastic resume ]).
+
+    Attributes:
+        epoch: The epoch the new streams resume. Old streams stand in it, or at the start
+            of the next one once they finished it.
+        old: Every stream of the saved layout, rank by rank, worker by worker.
+        new: The new stream's context.
+    """
+
+    epoch: int
+    old: tuple[OldStream, ...]
+    new: WorkerContext
+
+    def parents(self) -> ReshardPlan:
+        """The same plan for a transform's parent: each state's ``"parent"`` entry."""
+        return self.map_states(lambda state: None if state is None else state["parent"])
+
+    def map_states(self, fn: Callable[[Any], Any]) -> ReshardPlan:
+        """The same plan with every old state replaced by ``fn(state)``."""
+        return replace(
+            self, old=tuple(OldStream(stream.context, fn(stream.state)) for stream in self.old)
+        )
