@@ -27,17 +27,14 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
-from ._shards import ShardCursor, ShardedSource, storage_errors
-from .stage import StageState, validate_state
+from ._shards import ShardCursor, ShardedSource, ShardState, storage_errors
 
 __all__ = ["JsonLinesSource"]
 
 
-class _State(StageState):
+class _State(ShardState):
     """A JSON lines stream's position (NOTE [ JSON lines position ])."""
 
-    epoch: int = Field(ge=0, description="The epoch being read.")
-    shard: int = Field(ge=0, description="Index of the file in this stream's list.")
     line: int = Field(ge=0, description="Lines of that file already read, blank ones too.")
     offset: int = Field(ge=0, description="Byte offset of the next line, decompressed.")
 
@@ -63,10 +60,17 @@ class JsonLinesSource(ShardedSource[Any]):
     State:
         ``{"epoch": e, "shard": s, "line": n, "offset": b}``: the epoch, the index of
         the file in this stream's list, the lines read in it and the byte offset of the
-        next line (NOTE [ JSON lines position ]). Restore opens the file and seeks to
-        the offset; nothing is replayed beyond what the loader's checkpoint policy
-        replays. ``can_skip()`` is False: reading is the replay.
+        next line (NOTE [ JSON lines position ]). After a restore onto another number of
+        workers or ranks, the resumed epoch's state also holds ``done_below``, ``done``
+        and ``started`` (``[place, offset, line]`` entries): the files finished and
+        begun before it, whose rest this stream shares with the others (NOTE [ Elastic
+        file order ] in ``_shards.py``). Restore opens the file and seeks to the offset;
+        nothing is replayed beyond what the loader's checkpoint policy replays.
+        ``can_skip()`` is False: reading is the replay.
     """
+
+    position_fields = ("offset", "line")
+    State = _State
 
     def cursor(self, context: WorkerContext) -> JsonLinesCursor:
         return JsonLinesCursor(self, context)
@@ -100,21 +104,11 @@ class JsonLinesCursor(ShardCursor[Any]):
             if raw.strip():
                 return _parse(raw, url, self.line)
 
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "shard": self.shard, "line": self.line, "offset": self.offset}
+    def position(self) -> tuple[int, ...]:
+        return self.offset, self.line
 
-    def restore(self, state: Any | None) -> None:
-        position = (
-            _State(epoch=0, shard=0, line=0, offset=0)
-            if state is None
-            else validate_state(_State, state, "JsonLinesSource")
-        )
-        self.move(position.epoch, position.shard, position.offset)
-        self.line = position.line
-
-    def move(self, epoch: int, shard: int, offset: int) -> None:
-        super().move(epoch, shard, offset)
-        self.line = 0
+    def set_position(self, position: tuple[int, ...]) -> None:
+        self.offset, self.line = position
 
 
 def _parse(raw: bytes, url: str, line: int) -> Any:

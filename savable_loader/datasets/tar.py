@@ -32,19 +32,16 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
-from ._shards import ShardCursor, ShardedSource, storage_errors
-from .stage import StageState, validate_state
+from ._shards import ShardCursor, ShardedSource, ShardState, storage_errors
 
 __all__ = ["TarSource"]
 
 logger = logging.getLogger(__name__)
 
 
-class _State(StageState):
+class _State(ShardState):
     """A tar stream's position (NOTE [ Tar position ])."""
 
-    epoch: int = Field(ge=0, description="The epoch being read.")
-    shard: int = Field(ge=0, description="Index of the file in this stream's list.")
     offset: int = Field(ge=0, description="Byte offset of the next sample's first header.")
 
 
@@ -70,9 +67,15 @@ class TarSource(ShardedSource[dict[str, Any]]):
     State:
         ``{"epoch": e, "shard": s, "offset": b}``: the epoch, the index of the shard in
         this stream's list and the byte offset of the next sample's first tar header
-        (NOTE [ Tar position ]). Restore seeks there and reads on; nothing is replayed
-        beyond what the loader's checkpoint policy replays. ``can_skip()`` is False.
+        (NOTE [ Tar position ]). After a restore onto another number of workers or
+        ranks, the resumed epoch's state also holds ``done_below``, ``done`` and
+        ``started`` (``[place, offset]`` entries): the shards finished and begun before
+        it, whose rest this stream shares with the others (NOTE [ Elastic file order ]
+        in ``_shards.py``). Restore seeks there and reads on; nothing is replayed beyond
+        what the loader's checkpoint policy replays. ``can_skip()`` is False.
     """
+
+    State = _State
 
     def cursor(self, context: WorkerContext) -> TarCursor:
         return TarCursor(self, context)
@@ -153,17 +156,6 @@ class TarCursor(ShardCursor[dict[str, Any]]):
         with storage_errors(url):
             data = self._tar.extractfile(member) if self._tar is not None else None
             return data.read() if data is not None else b""
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "shard": self.shard, "offset": self.offset}
-
-    def restore(self, state: Any | None) -> None:
-        position = (
-            _State(epoch=0, shard=0, offset=0)
-            if state is None
-            else validate_state(_State, state, "TarSource")
-        )
-        self.move(position.epoch, position.shard, position.offset)
 
     def close(self) -> None:
         tar, self._tar, self._pending = self._tar, None, None

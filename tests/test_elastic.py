@@ -1,0 +1,362 @@
+"""Elastic resume in one process: a save restored onto other numbers of workers and ranks.
+
+Ranks are simulated with explicit ``WorkerConfig(rank=r, world_size=R)`` loaders, which
+iterate without torch.distributed; ``tests/test_elastic_distributed.py`` runs real ranks.
+Items are dataset indices, so the accounting is exact: what the old layout consumed plus
+what the new one delivers in the rest of the epoch is every item of the epoch once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pipelines import RandomCounter
+
+from savable_loader import (
+    ApproximateResumeWarning,
+    RankState,
+    SavableDataLoader,
+    StateError,
+    StateMismatchError,
+    WorkerConfig,
+)
+from savable_loader.datasets import IndexedDataset, TokenSource
+
+N = 101
+BATCH = 4
+SEED = 7
+
+
+def _odd_tens(index: int) -> bool:
+    return index % 10 != 3
+
+
+def _plus_zero(index: int) -> int:
+    return index
+
+
+def indexed() -> Any:
+    return IndexedDataset(list(range(N)), shuffle=True, seed=SEED).map(_plus_zero).filter(_odd_tens)
+
+
+EXPECTED = Counter(i for i in range(N) if _odd_tens(i))
+
+
+def _loader(build: Callable[[], Any], workers: int, rank: int = 0, ranks: int = 1) -> Any:
+    return SavableDataLoader(
+        build(),
+        batch_size=BATCH,
+        num_workers=workers,
+        seed=SEED,
+        worker_config=WorkerConfig(rank=rank, world_size=ranks),
+    )
+
+
+def _ids(batch: Any) -> list[int]:
+    if isinstance(batch, (list, tuple)):  # (ids, draws) collated
+        batch = batch[0]
+    return [int(x) for x in batch]
+
+
+def _save(
+    build: Callable[[], Any], workers: int, ranks: int, steps: list[int]
+) -> tuple[list[int], list[RankState]]:
+    """Runs ``ranks`` loaders ``steps[r]`` batches into epoch 0; returns consumed ids and
+    states (a step count past the epoch ends it: the state is between epochs)."""
+    consumed: list[int] = []
+    states = []
+    for rank in range(ranks):
+        with _loader(build, workers, rank, ranks) as loader:
+            stream = iter(loader)
+            for _ in range(steps[rank]):
+                batch = next(stream, None)
+                if batch is None:
+                    break
+                consumed += _ids(batch)
+            states.append(loader.save_state_rank())
+    return consumed, states
+
+
+def _resume(
+    build: Callable[[], Any], states: list[RankState], workers: int, ranks: int, **kw: Any
+) -> tuple[list[int], list[list[int]]]:
+    """Restores ``states`` onto ``ranks`` x ``workers``; returns the ids of the rest of the
+    epoch over all ranks and each rank's next epoch."""
+    rest: list[int] = []
+    following = []
+    for rank in range(ranks):
+        with _loader(build, workers, rank, ranks) as loader:
+            loader.restore_state_rank(states, **kw)
+            rest += [i for batch in loader for i in _ids(batch)]
+            following.append([i for batch in loader for i in _ids(batch)])
+    return rest, following
+
+
+def _fresh_epoch(build: Callable[[], Any], workers: int, ranks: int, epoch: int) -> list[list[int]]:
+    epochs = []
+    for rank in range(ranks):
+        with _loader(build, workers, rank, ranks) as loader:
+            for _ in range(epoch):
+                for _ in loader:
+                    pass
+            epochs.append([i for batch in loader for i in _ids(batch)])
+    return epochs
+
+
+LAYOUTS = [
+    # (old workers, old ranks, steps per old rank, new workers, new ranks)
+    (2, 1, [5], 3, 1),
+    (3, 1, [7], 2, 1),
+    (0, 1, [4], 2, 1),
+    (2, 1, [3], 0, 1),
+    (2, 2, [3, 2], 3, 3),
+    (3, 3, [2, 2, 1], 2, 1),
+    (2, 1, [6], 2, 3),
+    (2, 2, [0, 0], 3, 1),
+    (2, 2, [1, 0], 2, 2),
+]
+
+
+@pytest.mark.parametrize(("old_w", "old_r", "steps", "new_w", "new_r"), LAYOUTS)
+def test_rest_of_epoch_exactly_once_and_next_epoch_as_fresh(old_w, old_r, steps, new_w, new_r):
+    consumed, states = _save(indexed, old_w, old_r, steps)
+    rest, following = _resume(indexed, states, new_w, new_r)
+    assert Counter(consumed + rest) == EXPECTED
+    assert following == _fresh_epoch(indexed, new_w, new_r, epoch=1)
+
+
+def test_between_epochs_resumes_at_the_next_epoch_as_fresh():
+    consumed, states = _save(indexed, 2, 2, [99, 99])
+    assert Counter(consumed) == EXPECTED
+    assert all(state.between_epochs for state in states)
+    rest, following = _resume(indexed, states, 3, 1)
+    # Between epochs, iterating starts epoch 1 directly: "rest" is epoch 1 here.
+    assert [rest] == _fresh_epoch(indexed, 3, 1, epoch=1)
+    assert following == _fresh_epoch(indexed, 3, 1, epoch=2)
+
+
+def test_resharding_twice_in_one_epoch_composes():
+    consumed, states = _save(indexed, 2, 2, [2, 3])
+    second: list[int] = []
+    middle = []
+    for rank in range(3):
+        with _loader(indexed, 3, rank, 3) as loader:
+            loader.restore_state_rank(states)
+            stream = iter(loader)
+            for _ in range(rank + 1):
+                second += _ids(next(stream))
+            middle.append(loader.save_state_rank())
+    rest, following = _resume(indexed, middle, 0, 1)
+    assert Counter(consumed + second + rest) == EXPECTED
+    assert following == _fresh_epoch(indexed, 0, 1, epoch=1)
+
+
+def _noisy(index: int) -> tuple[int, float]:
+    return index, float(torch.rand(()))  # draws from the worker's global generator
+
+
+def noisy() -> Any:
+    return IndexedDataset(list(range(N)), shuffle=True, seed=SEED).map(_noisy)
+
+
+def test_global_generators_of_later_epochs_match_a_fresh_run():
+    _, states = _save(noisy, 2, 1, [4])
+    with _loader(noisy, 3) as loader:
+        loader.restore_state_rank(states)
+        for _ in loader:
+            pass
+        resumed = [batch for batch in loader]
+    fresh = []
+    with _loader(noisy, 3) as loader:
+        for _ in loader:
+            pass
+        fresh = [batch for batch in loader]
+    assert len(resumed) == len(fresh)
+    for got, want in zip(resumed, fresh, strict=True):
+        assert torch.equal(got[0], want[0])
+        assert torch.equal(got[1], want[1])
+
+
+def _augment(index: int, rng: np.random.Generator) -> int:
+    return index * 1000 + int(rng.integers(1000))
+
+
+def seeded() -> Any:
+    return IndexedDataset(list(range(N)), seed=SEED).map(_augment, seed=3)
+
+
+def test_seeded_map_is_elastic_and_its_next_epoch_matches_a_fresh_run():
+    consumed, states = _save(seeded, 2, 2, [2, 2])
+    rest, following = _resume(seeded, states, 3, 1)
+    assert Counter(i // 1000 for i in consumed + rest) == Counter(range(N))
+    assert following == _fresh_epoch(seeded, 3, 1, epoch=1)
+
+
+def limited() -> Any:
+    return IndexedDataset(list(range(N)), shuffle=True, seed=SEED).limit(20)
+
+
+def test_limit_splits_what_the_old_streams_had_left():
+    # 2 workers x 20 items: 40 per epoch; 3 batches of 4 consumed, 28 left.
+    consumed, states = _save(limited, 2, 1, [3])
+    rest, following = _resume(limited, states, 3, 1)
+    assert len(consumed) == 12
+    assert len(rest) == 28
+    assert len(set(consumed + rest)) == 40
+    assert following == _fresh_epoch(limited, 3, 1, epoch=1)
+
+
+def tokens_source(tmp_path: Any) -> Callable[[], Any]:
+    path = tmp_path / "tokens.bin"
+    np.arange(4000, dtype=np.uint16).tofile(path)
+
+    def build() -> Any:
+        return TokenSource(str(path), seq_len=15, dtype="uint16", shuffle=True, seed=SEED).map(
+            _first_token
+        )
+
+    return build
+
+
+def _first_token(window: Any) -> int:
+    return int(window["input_ids"][0]) if isinstance(window, dict) else int(window[0])
+
+
+def test_token_source_is_elastic(tmp_path):
+    build = tokens_source(tmp_path)
+    consumed, states = _save(build, 2, 1, [5])
+    rest, _ = _resume(build, states, 3, 2)
+    everything = [i for epoch in _fresh_epoch(build, 0, 1, epoch=0) for i in epoch]
+    assert Counter(consumed + rest) == Counter(everything)
+
+
+def shuffled() -> Any:
+    return IndexedDataset(list(range(N)), seed=SEED).shuffle(buffer_size=8, seed=1)
+
+
+def test_a_shuffle_buffer_is_not_elastic_and_the_error_says_why_and_what_to_do():
+    _, states = _save(shuffled, 2, 1, [3])
+    with _loader(shuffled, 3) as loader, pytest.raises(StateMismatchError) as info:
+        loader.restore_state_rank(states)
+    message = str(info.value)
+    assert "num_workers was 2 when the state was saved and is 3 now" in message
+    assert "shuffle(buffer_size=8, seed=1)" in message
+    assert "buffer" in message
+    assert "approximate=True" in message
+
+
+def test_approximate_restarts_the_interrupted_epoch_and_says_so():
+    _, states = _save(shuffled, 2, 1, [3])
+    with _loader(shuffled, 3) as loader:
+        with pytest.warns(ApproximateResumeWarning, match="restarts epoch 0"):
+            loader.restore_state_rank(states, approximate=True)
+        epochs = [[i for batch in loader for i in _ids(batch)] for _ in range(2)]
+    fresh = [_fresh_epoch(shuffled, 3, 1, epoch=e)[0] for e in range(2)]
+    assert epochs == fresh
+
+
+def test_a_users_own_dataset_is_not_elastic():
+    with SavableDataLoader(RandomCounter(40), batch_size=2, num_workers=2) as loader:
+        next(iter(loader))
+        state = loader.save_state_rank()
+    with (
+        SavableDataLoader(RandomCounter(40), batch_size=2, num_workers=3) as loader,
+        pytest.raises(StateMismatchError, match="RandomCounter: its state is your dataset's"),
+    ):
+        loader.restore_state_rank(state)
+
+
+def test_one_rank_of_several_cannot_reshard_alone():
+    _, states = _save(indexed, 2, 2, [1, 1])
+    with (
+        _loader(indexed, 3, 0, 2) as loader,
+        pytest.raises(StateMismatchError, match="restore the list of every rank's state"),
+    ):
+        loader.restore_state_rank(states[0])
+
+
+def test_ranks_in_different_epochs_are_refused():
+    _, states = _save(indexed, 2, 2, [99, 1])
+    with _loader(indexed, 2, 0, 2) as loader:
+        for _ in loader:
+            pass
+        next(iter(loader))
+        ahead = loader.save_state_rank()  # rank 0 already in epoch 1
+    assert ahead.epoch != states[1].epoch
+    with _loader(indexed, 3) as loader, pytest.raises(StateMismatchError, match="different epochs"):
+        loader.restore_state_rank([ahead, states[1]])
+
+
+def test_states_of_another_pipeline_are_refused():
+    _, states = _save(indexed, 2, 1, [1])
+    with _loader(shuffled, 3) as loader, pytest.raises(StateMismatchError, match="fingerprint"):
+        loader.restore_state_rank(states)
+
+
+def test_a_malformed_consumed_record_is_refused():
+    _, states = _save(indexed, 2, 1, [2])
+    with _loader(indexed, 3) as loader:
+        moved = loader.reshard(states, rank=0)
+    worker = moved.workers[0]
+    assert worker.checkpoint is not None
+    import msgpack
+
+    state = msgpack.unpackb(worker.checkpoint.dataset_state)
+    inner = state["parent"]["parent"]
+    inner["done"] = [inner["done_below"]]  # below is by definition not consumed
+    broken = worker.checkpoint.model_copy(
+        update={"dataset_state": msgpack.packb(state, use_bin_type=True)}
+    )
+    plain = moved.to_plain()
+    plain["workers"][0]["checkpoint"]["dataset_state"] = broken.dataset_state
+    with _loader(indexed, 3) as loader:
+        loader.restore_state_rank(plain)
+        with pytest.raises(StateError, match="done_below"):
+            next(iter(loader))
+
+
+def test_same_layout_list_restores_each_rank_its_own_state():
+    consumed, states = _save(indexed, 2, 2, [2, 1])
+    rest, _ = _resume(indexed, states, 2, 2)
+    assert Counter(consumed + rest) == EXPECTED
+
+
+def test_reshard_does_not_disturb_the_callers_generators():
+    _, states = _save(noisy, 2, 1, [3])
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with warnings.catch_warnings(), _loader(noisy, 3) as loader:
+        loader.reshard(states, rank=0)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_json_lines_through_the_loader(tmp_path):
+    import json
+
+    ids = iter(range(10_000))
+    for f in range(7):
+        lines = [json.dumps({"id": next(ids)}) for _ in range(5 + 3 * f)]
+        (tmp_path / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n")
+    everything = set(range(next(ids)))
+
+    def build() -> Any:
+        from savable_loader.datasets import JsonLinesSource
+
+        return JsonLinesSource(str(tmp_path / "*.jsonl"), shuffle_shards=True, seed=2).map(
+            _record_id
+        )
+
+    consumed, states = _save(build, 2, 2, [3, 2])
+    rest, following = _resume(build, states, 3, 1)
+    assert Counter(consumed + rest) == Counter(everything)
+    assert following == _fresh_epoch(build, 3, 1, epoch=1)
+
+
+def _record_id(record: dict[str, int]) -> int:
+    return record["id"]
