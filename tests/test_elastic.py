@@ -360,3 +360,25 @@ def test_json_lines_through_the_loader(tmp_path):
 
 def _record_id(record: dict[str, int]) -> int:
     return record["id"]
+
+
+@pytest.mark.parametrize(("build", "workers"), [(indexed, 0), (indexed, 3), (noisy, 2)])
+def test_a_resharded_stream_resumes_exactly(build, workers):
+    """The shared harness, from an elastic restore: every later save restores exactly."""
+    from savable_loader.testing import assert_resumes_exactly
+
+    _, states = _save(build, 2, 2, [3, 2])
+
+    def restored() -> SavableDataLoader:
+        loader = SavableDataLoader(
+            build(),
+            batch_size=BATCH,
+            num_workers=workers,
+            seed=SEED,
+            worker_config=WorkerConfig(checkpoint_share=1.0),
+        )
+        loader.restore_state_rank(states)
+        return loader
+
+    report = assert_resumes_exactly(restored, epochs=2, num_points=4, last_items=True)
+    assert report.restores >= 4

@@ -242,16 +242,18 @@ def _done(position: _State, length: int) -> tuple[int, np.ndarray] | None:
 
 def _remaining(length: int, below: int, done: np.ndarray) -> np.ndarray:
     """The positions of the epoch not consumed, ascending."""
-    return np.setdiff1d(np.arange(below, length, dtype=np.int64), done, assume_unique=True)
+    open_ = np.ones(length - below, dtype=bool)
+    open_[done - below] = False
+    return np.flatnonzero(open_) + below
 
 
 def reshard_indexed(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, Any]:
     """The state of ``plan.new``'s stream (NOTE [ Elastic indexed order ])."""
     length = len(stage.data)
-    consumed = np.zeros(length, dtype=bool)
     finished: list[WorkerContext] = []
-    remaining: np.ndarray | None = None
+    reading: list[tuple[WorkerContext, int]] = []
     records: set[tuple[int, tuple[int, ...]] | None] = set()
+    done: tuple[int, np.ndarray] | None = None
     for stream in plan.old:
         position = _State(epoch=0, pos=0) if stream.state is None else _parse(stream.state)
         if position.epoch == plan.epoch + 1 and position.pos == 0 and position.done is None:
@@ -264,31 +266,29 @@ def reshard_indexed(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, 
             )
         done = _done(position, length)
         records.add(None if done is None else (done[0], tuple(done[1].tolist())))
-        stream_remaining = (
-            np.arange(length, dtype=np.int64) if done is None else _remaining(length, *done)
-        )
-        count = shard_length(len(stream_remaining), stream.context)
-        if position.pos > count:
-            raise StateError(
-                f"IndexedDataset: position {position.pos} is past the shard of {count} items "
-                f"of rank {stream.context.rank} worker {stream.context.worker_id}"
-            )
-        read = global_position(np.arange(position.pos, dtype=np.int64), stream.context)
-        consumed[stream_remaining[read]] = True
-        remaining = stream_remaining
+        reading.append((stream.context, position.pos))
     if len(records) > 1:
         raise StateError(
             "IndexedDataset: the saved streams disagree on what was consumed before their "
             "own restore; restore the states of one save together"
         )
-    if remaining is None:
+    if not reading:
         # Every stream finished the epoch: nothing of it is left.
-        consumed[:] = True
-    else:
-        consumed[np.setdiff1d(np.arange(length, dtype=np.int64), remaining)] = True
-        for context in finished:
-            count = shard_length(len(remaining), context)
-            consumed[remaining[global_position(np.arange(count, dtype=np.int64), context)]] = True
+        return {"epoch": plan.epoch, "pos": 0, "done_below": length, "done": []}
+    remaining = np.arange(length, dtype=np.int64) if done is None else _remaining(length, *done)
+    consumed = np.ones(length, dtype=bool)
+    consumed[remaining] = False
+    streams = [(context, shard_length(len(remaining), context)) for context in finished]
+    for context, pos in reading:
+        count = shard_length(len(remaining), context)
+        if pos > count:
+            raise StateError(
+                f"IndexedDataset: position {pos} is past the shard of {count} items of rank "
+                f"{context.rank} worker {context.worker_id}"
+            )
+        streams.append((context, pos))
+    for context, count in streams:
+        consumed[remaining[global_position(np.arange(count, dtype=np.int64), context)]] = True
     if not consumed.any():
         return {"epoch": plan.epoch, "pos": 0}
     open_positions = np.flatnonzero(~consumed)
