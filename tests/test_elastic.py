@@ -131,14 +131,67 @@ def test_rest_of_epoch_exactly_once_and_next_epoch_as_fresh(old_w, old_r, steps,
     assert following == _fresh_epoch(indexed, new_w, new_r, epoch=1)
 
 
-def test_between_epochs_resumes_at_the_next_epoch_as_fresh():
-    consumed, states = _save(indexed, 2, 2, [99, 99])
-    assert Counter(consumed) == EXPECTED
+@pytest.mark.parametrize(("old_w", "new_w"), [(2, 3), (0, 2), (3, 0)])
+def test_between_epochs_resumes_at_the_next_epoch_as_fresh(old_w, new_w):
+    consumed, states = _save(noisy, old_w, 2, [99, 99])
+    assert Counter(i for i in consumed) == Counter(range(N))
     assert all(state.between_epochs for state in states)
-    rest, following = _resume(indexed, states, 3, 1)
+    rest, following = _resume(noisy, states, new_w, 1)
     # Between epochs, iterating starts epoch 1 directly: "rest" is epoch 1 here.
-    assert [rest] == _fresh_epoch(indexed, 3, 1, epoch=1)
-    assert following == _fresh_epoch(indexed, 3, 1, epoch=2)
+    assert [rest] == _fresh_epoch(noisy, new_w, 1, epoch=1)
+    assert following == _fresh_epoch(noisy, new_w, 1, epoch=2)
+
+
+def _draws(build: Callable[[], Any], loader: Any) -> list[float]:
+    return [float(x) for batch in loader for x in batch[1]]
+
+
+def test_between_epochs_the_next_epoch_draws_as_a_fresh_run():
+    _, states = _save(noisy, 2, 2, [99, 99])
+    with _loader(noisy, 3) as loader:
+        loader.restore_state_rank(states)
+        resumed = _draws(noisy, loader)
+    with _loader(noisy, 3) as loader:
+        for _ in loader:
+            pass
+        fresh = _draws(noisy, loader)
+    assert resumed == fresh
+
+
+def dropping() -> Any:
+    return IndexedDataset(list(range(N)), shuffle=True, seed=SEED)
+
+
+def test_drop_last_drops_only_what_the_new_layout_cannot_fill():
+    def build_loader(workers: int, rank: int, ranks: int) -> SavableDataLoader:
+        return SavableDataLoader(
+            dropping(),
+            batch_size=BATCH,
+            num_workers=workers,
+            seed=SEED,
+            drop_last=True,
+            worker_config=WorkerConfig(rank=rank, world_size=ranks),
+        )
+
+    consumed: list[int] = []
+    states = []
+    for rank in range(2):
+        with build_loader(2, rank, 2) as loader:
+            stream = iter(loader)
+            for _ in range(3):
+                consumed += _ids(next(stream))
+            states.append(loader.save_state_rank())
+    rest: list[int] = []
+    for rank in range(3):
+        with build_loader(3, rank, 3) as loader:
+            loader.restore_state_rank(states)
+            batches = [_ids(batch) for batch in loader]
+            assert all(len(batch) == BATCH for batch in batches)
+            rest += [i for batch in batches for i in batch]
+    assert not set(consumed) & set(rest)
+    assert len(set(consumed + rest)) == len(consumed) + len(rest)
+    # Each new worker drops at most one incomplete batch.
+    assert N - len(consumed) - len(rest) < 3 * 3 * BATCH
 
 
 def test_resharding_twice_in_one_epoch_composes():
