@@ -26,6 +26,7 @@ lays it out.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -247,9 +248,26 @@ def _remaining(length: int, below: int, done: np.ndarray) -> np.ndarray:
     return np.flatnonzero(open_) + below
 
 
+#: The last reshard's (length, epoch, old streams) and answer: every new stream of one
+#: restore gets the same answer, which costs O(length) to compute.
+_last_reshard: list[tuple[tuple[int, int, Any], dict[str, Any]]] = []
+
+
 def reshard_indexed(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, Any]:
-    """The state of ``plan.new``'s stream (NOTE [ Elastic indexed order ])."""
-    length = len(stage.data)
+    """The state of ``plan.new``'s stream (NOTE [ Elastic indexed order ]).
+
+    The answer depends on the epoch's length and the old streams only, not on the new
+    stream, so the last one is kept for the other new streams of the same restore.
+    """
+    key = (len(stage.data), plan.epoch, plan.old)
+    if _last_reshard and _last_reshard[0][0] == key:
+        return copy.deepcopy(_last_reshard[0][1])
+    answer = _reshard(len(stage.data), plan)
+    _last_reshard[:] = [(key, copy.deepcopy(answer))]
+    return answer
+
+
+def _reshard(length: int, plan: ReshardPlan) -> dict[str, Any]:
     finished: list[WorkerContext] = []
     reading: list[tuple[WorkerContext, int]] = []
     records: set[tuple[int, tuple[int, ...]] | None] = set()
