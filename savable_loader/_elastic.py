@@ -13,6 +13,8 @@ global generators seeded for that epoch (NOTE [ Generators per epoch ] in ``_wor
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -75,6 +77,7 @@ def reshard(
     stage = layout.dataset
     approximated: str | None = None
     new_states: list[Any] = []
+    salt = 0
     contexts = [
         WorkerContext(
             rank, layout.world_size, w, layout.num_workers, layout.seed, layout.batch_size
@@ -92,7 +95,10 @@ def reshard(
                 "interrupted epoch on the new layout",
             )
         old = tuple(_old_streams(stage, states))
-        new_states = [stage.reshard(ReshardPlan(target, old, context)) for context in contexts]
+        salt = _salt(old)
+        new_states = [
+            stage.reshard(ReshardPlan(target, old, context, salt)) for context in contexts
+        ]
     except NotElastic as error:
         if not approximate:
             changes = "; ".join(
@@ -120,6 +126,9 @@ def reshard(
         logger.warning(message)
         warnings.warn(message, ApproximateResumeWarning, stacklevel=4)
     ended = between and approximated is None
+    # The rest of an epoch draws from salted generators: a new worker must not repeat
+    # the draws the old worker of the same id made at the start of the epoch.
+    salted = not between and approximated is None
     workers = tuple(
         WorkerState(
             worker_id=context.worker_id,
@@ -129,7 +138,9 @@ def reshard(
                 seq=1 if ended else 0,
                 exhausted=False,
                 dataset_state=_pack(state),
-                rng=epoch_rng_state(layout.seed, rank, context.worker_id, target),
+                rng=epoch_rng_state(
+                    layout.seed, rank, context.worker_id, target, salt if salted else None
+                ),
             ),
         )
         for context, state in zip(contexts, new_states, strict=True)
@@ -187,6 +198,13 @@ def _check(states: Sequence[RankState], layout: Layout) -> int:
             "in the same epoch"
         )
     return epochs[0]
+
+
+def _salt(old: tuple[OldStream, ...]) -> int:
+    """A 63-bit number drawn from the old streams' states (ReshardPlan.salt)."""
+    plain = [[list(dataclasses.astuple(s.context)), s.state] for s in old]
+    digest = hashlib.blake2b(msgpack.packb(plain, use_bin_type=True), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def _old_streams(stage: Stage[Any], states: Sequence[RankState]) -> list[OldStream]:

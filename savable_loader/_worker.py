@@ -261,12 +261,16 @@ def epoch_seed(seed: int, rank: int, worker_id: int, epoch: int) -> int:
     return rng.derive_seed(seed, rank, worker_id, _SEED_PURPOSE, epoch)
 
 
-def epoch_rng_state(seed: int, rank: int, worker_id: int, epoch: int) -> RngState:
-    """The global generators' state :func:`epoch_seed` gives, without touching this
+def epoch_rng_state(
+    seed: int, rank: int, worker_id: int, epoch: int, salt: int | None = None
+) -> RngState:
+    """The global generators' state :func:`epoch_seed` gives (with ``salt`` also in the
+    key: the rest of an epoch resumed on another layout), without touching this
     process's generators."""
     outer = rng.capture()
     try:
-        rng.seed_globals(epoch_seed(seed, rank, worker_id, epoch))
+        base = epoch_seed(seed, rank, worker_id, epoch)
+        rng.seed_globals(base if salt is None else rng.derive_seed(base, salt))
         return rng.capture().to_state()
     finally:
         rng.apply(outer)

@@ -435,3 +435,27 @@ def test_a_resharded_stream_resumes_exactly(build, workers):
 
     report = assert_resumes_exactly(restored, epochs=2, num_points=4, last_items=True)
     assert report.restores >= 4
+
+
+def _seeded_draw(index: int, rng: np.random.Generator) -> tuple[int, float]:
+    return index, float(rng.random())
+
+
+def seeded_draws() -> Any:
+    return IndexedDataset(list(range(N)), seed=SEED).map(_seeded_draw, seed=5)
+
+
+@pytest.mark.parametrize("build", [noisy, seeded_draws])
+def test_the_rest_of_the_epoch_repeats_no_draw_of_the_saved_run(build):
+    """New stream w must not hand its items the draws old stream w made at the start."""
+    head_draws: list[float] = []
+    with _loader(build, 2) as loader:
+        stream = iter(loader)
+        for _ in range(4):
+            head_draws += [float(x) for x in next(stream)[1]]
+        state = loader.save_state_rank()
+    with _loader(build, 3) as loader:
+        loader.restore_state_rank(state)
+        rest_draws = _draws(build, loader)
+    assert len(head_draws) == 16
+    assert not set(head_draws) & set(rest_draws)

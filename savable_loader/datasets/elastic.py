@@ -69,11 +69,16 @@ class ReshardPlan:
             of the next one once they finished it.
         old: Every stream of the saved layout, rank by rank, worker by worker.
         new: The new stream's context.
+        salt: A number drawn from the old streams' states, the same for every new
+            stream of one restore and different for another save: stages that key random
+            draws by position add it to the keys of the resumed epoch, so that a new
+            stream does not repeat the draws an old stream made at the same positions.
     """
 
     epoch: int
     old: tuple[OldStream, ...]
     new: WorkerContext
+    salt: int = 0
 
     def parents(self) -> ReshardPlan:
         """The same plan for a transform's parent: each state's ``"parent"`` entry."""

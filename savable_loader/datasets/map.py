@@ -3,8 +3,10 @@
 NOTE [ Per-item generators ]
 With a ``seed``, ``fn(item, rng)`` receives a ``numpy.random.Generator`` seeded from
 ``(seed, rank, worker, epoch, position)``, where ``position`` counts this stage's items
-in the epoch. The generator is a function of where the item stands, so nothing about it
-needs saving and a restored pipeline hands every item the generator it had. Without a
+in the epoch (plus, for the rest of an epoch resumed on another layout, a salt drawn
+from the saved states: NOTE [ Elastic resume ] in ``elastic.py``). The generator is a
+function of where the item stands, so nothing about it needs saving and a restored
+pipeline hands every item the generator it had. Without a
 seed, ``fn(item)`` may still draw from the global ``random``, ``numpy.random`` and torch
 generators; the loader captures those in its checkpoints.
 """
@@ -46,8 +48,9 @@ class Map(Transform[U]):
         Without a seed, the parent's state: Map adds nothing. With a seed, also
         ``{"epoch": e, "position": p}``, the key of the next item's generator. Restore
         replays nothing. Elastic when its source is: after a restore onto another layout,
-        the rest of the epoch keys its generators by the new streams' positions, and the
-        next epochs by the same keys as a fresh run on that layout.
+        the rest of the epoch keys its generators by the new streams' positions plus a
+        ``salt`` drawn from the saved states (so no draw of the saved run repeats), and
+        the next epochs by the same keys as a fresh run on that layout.
     """
 
     def __init__(self, source: Any, fn: Callable[..., U], *, seed: int | None = None) -> None:
@@ -77,7 +80,7 @@ class Map(Transform[U]):
         parent = {"parent": self.source.reshard(plan.parents())}
         if self.seed is None:
             return parent
-        return {**parent, "epoch": plan.epoch, "position": 0}
+        return {**parent, "epoch": plan.epoch, "position": 0, "salt": plan.salt}
 
     def cursor(self, context: WorkerContext) -> Cursor[U]:
         parent = self.source.cursor(context)
@@ -101,6 +104,11 @@ class _MapCursor(TransformCursor[U]):
 class _Position(StageState):
     epoch: int = Field(ge=0, description="The epoch of the next item.")
     position: int = Field(ge=0, description="This stage's items already mapped in it.")
+    salt: int | None = Field(
+        default=None,
+        ge=0,
+        description="After an elastic restore: added to the keys for the rest of the epoch.",
+    )
 
 
 class _SeededMapCursor(TransformCursor[U]):
@@ -113,30 +121,34 @@ class _SeededMapCursor(TransformCursor[U]):
         self.seed = stage.seed or 0
         self.epoch = 0
         self.position = 0
+        self.salt: int | None = None
 
     def __next__(self) -> U:
         try:
             item = next(self.parent)
         except StopIteration:
-            self.epoch, self.position = self.epoch + 1, 0
+            self.epoch, self.position, self.salt = self.epoch + 1, 0, None
             raise
         ctx = self.context
-        rng = np.random.default_rng(
-            [self.seed, _ITEM_PURPOSE, ctx.rank, ctx.worker_id, self.epoch, self.position]
-        )
+        key = [self.seed, _ITEM_PURPOSE, ctx.rank, ctx.worker_id, self.epoch, self.position]
+        if self.salt is not None:
+            key.append(self.salt)
+        rng = np.random.default_rng(key)
         self.position += 1
         return self.fn(item, rng)
 
     def own_state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position}
+        if self.salt is None:
+            return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "salt": self.salt}
 
     def restore_own(self, state: Any | None) -> None:
         position = state if isinstance(state, _Position) else _Position(epoch=0, position=0)
-        self.epoch, self.position = position.epoch, position.position
+        self.epoch, self.position, self.salt = position.epoch, position.position, position.salt
 
     def end_epoch(self) -> None:
         self.parent.end_epoch()
-        self.epoch, self.position = self.epoch + 1, 0
+        self.epoch, self.position, self.salt = self.epoch + 1, 0, None
 
 
 def qualname(function: Callable[..., Any]) -> str:
