@@ -161,7 +161,11 @@ def reshard(
 
 
 def _check(states: Sequence[RankState], layout: Layout) -> int:
-    """Checks the states are one save of this pipeline; returns the epoch they stand in."""
+    """Checks the states are one save of this pipeline; returns the epoch they stand in.
+
+    Ranks that finished epoch ``e`` and have not begun ``e + 1`` count as standing at the
+    start of ``e + 1`` when the other ranks already began it.
+    """
     if not states:
         raise StateMismatchError("cannot restore from an empty list of states")
     first = states[0]
@@ -191,13 +195,23 @@ def _check(states: Sequence[RankState], layout: Layout) -> int:
                 "number of workers and ranks may change)"
             )
     epochs = sorted({state.epoch for state in states})
-    if len(epochs) > 1:
-        raise StateMismatchError(
-            f"cannot restore onto another layout: the saved ranks stand in different epochs "
-            f"{epochs}; restore on the layout it was saved with, or save when every rank is "
-            "in the same epoch"
-        )
-    return epochs[0]
+    if len(epochs) == 1:
+        return epochs[0]
+    # A rank between epochs e and e + 1 stands where one that began e + 1 started from.
+    behind = [state for state in states if state.epoch == epochs[0]]
+    ahead = [state for state in states if state.epoch == epochs[-1]]
+    if (
+        len(epochs) == 2
+        and epochs[1] == epochs[0] + 1
+        and all(state.between_epochs for state in behind)
+        and not any(state.between_epochs for state in ahead)
+    ):
+        return epochs[1]
+    raise StateMismatchError(
+        f"cannot restore onto another layout: the saved ranks stand in different epochs "
+        f"{epochs}; restore on the layout it was saved with, or save when every rank is "
+        "in the same epoch"
+    )
 
 
 def _salt(old: tuple[OldStream, ...]) -> int:

@@ -35,6 +35,20 @@ def _loader() -> Any:
     return SavableDataLoader(DATA, batch_size=2, num_workers=2, seed=0)
 
 
+def _shuffle_loader() -> Any:
+    """A pipeline that is not elastic: its shuffle buffer belongs to one worker."""
+    from savable_loader import SavableDataLoader
+    from savable_loader.datasets import IndexedDataset
+
+    pipeline = IndexedDataset(DATA).shuffle(buffer_size=8, seed=0)
+    return SavableDataLoader(pipeline, batch_size=2, num_workers=2, seed=0)
+
+
+def _epoch(loader: Any) -> list[list[int]]:
+    """The rest of the loader's current epoch."""
+    return [batch.tolist() for batch in loader]
+
+
 def _batches(loader: Any, epochs: int) -> Iterator[list[int]]:
     for _ in range(epochs):
         for batch in loader:
@@ -70,6 +84,15 @@ def _job_save(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     if states is not None:
         assert [state.rank for state in states] == list(range(world_size))
         save_state(states, tmp / f"states{world_size}.msgpack")
+    if world_size == 2:  # a non-elastic pipeline's state, for the 3-rank restore
+        other = _shuffle_loader()
+        stream = _batches(other, EPOCHS)
+        for _ in range(SAVE_AFTER[world_size]):
+            next(stream)
+        shuffled = other.save_state_global(global_dst_rank=0)
+        other.close()
+        if shuffled is not None:
+            save_state(shuffled, tmp / "shuffle2.msgpack")
     return {"ref": ref, "head": head, "received": states is not None}
 
 
@@ -77,11 +100,17 @@ def _job_restore(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     from savable_loader import load_state
 
     result: dict[str, Any] = {}
-    if world_size == 3:  # a 2-rank state into this 3-rank job, both ways
-        other = tmp / "states2.msgpack"
+    if world_size == 3:  # 2-rank states into this 3-rank job, both ways
         for mode, src in (("full", None), ("src", 0)):
+            # Elastic: the rest of the interrupted epoch, then the next one.
             loader = _loader()
-            states = load_state(other) if src is None or rank == src else None
+            states = load_state(tmp / "states2.msgpack") if src is None or rank == src else None
+            loader.restore_state_global(states, src_rank=src)
+            result[f"elastic_{mode}"] = {"rest": _epoch(loader), "next": _epoch(loader)}
+            loader.close()
+            # Not elastic: refused on every rank.
+            loader = _shuffle_loader()
+            states = load_state(tmp / "shuffle2.msgpack") if src is None or rank == src else None
             result[f"mismatch_{mode}"] = _outcome(
                 lambda: loader.restore_state_global(states, src_rank=src)  # noqa: B023
             )
@@ -233,7 +262,9 @@ def test_without_torch_distributed_a_single_rank_saves_and_restores() -> None:
         loader.close()
     restored = _loader()
     try:
-        with pytest.raises(StateFormatError, match=r"states\[1\] is the state of rank 0 of 1"):
+        with pytest.raises(
+            StateFormatError, match=r"states\[\d\] is the state of rank 0 of 1; the list must"
+        ):
             restored.restore_state_global(states * 2)
         restored.restore_state_global([states[0].to_plain()], src_rank=0)
         assert head + _remaining(restored) == head + rest
@@ -279,13 +310,34 @@ def test_restored_ranks_continue_their_uninterrupted_streams(
 
 
 @pytest.mark.parametrize("mode", ["full", "src"])
-def test_two_rank_state_into_three_ranks_raises_on_every_rank(mode: str, state_dir: Path) -> None:
+def test_two_rank_state_into_three_ranks_resumes_elastically(mode: str, state_dir: Path) -> None:
+    """NOTE [ Elastic resume ]: the 3 ranks deliver the rest of the 2 ranks' interrupted
+    epoch, every item exactly once, then the epoch a fresh 3-rank run delivers."""
+    saved = _run(2, "save", state_dir)
+    fresh = _run(3, "save", state_dir)
+    restored = _run(3, "restore", state_dir)
+    before = [item for report in saved for batch in report["head"] for item in batch]
+    assert 0 < len(before) < len(DATA)  # the 2 ranks saved within epoch 0
+    after = [
+        item for report in restored for batch in report[f"elastic_{mode}"]["rest"] for item in batch
+    ]
+    assert sorted(before + after) == DATA
+    for rank, (report, reference) in enumerate(zip(restored, fresh, strict=True)):
+        epoch_1 = reference["ref"][len(reference["ref"]) // EPOCHS :]
+        assert report[f"elastic_{mode}"]["next"] == epoch_1, f"rank {rank}: epoch 1 diverged"
+
+
+@pytest.mark.parametrize("mode", ["full", "src"])
+def test_two_rank_state_of_a_non_elastic_pipeline_into_three_ranks_raises_on_every_rank(
+    mode: str, state_dir: Path
+) -> None:
     restored = _run(3, "restore", state_dir)
     for rank, report in enumerate(restored):
         name, text, elapsed = report[f"mismatch_{mode}"]
         assert name == "StateMismatchError", f"rank {rank}: {name}: {text}"
-        assert "world_size was 2" in text
-        assert "is 3 now" in text
+        assert "world_size was 2 when the state was saved and is 3 now" in text, text
+        assert "the pipeline is not elastic" in text, text
+        assert ".shuffle(buffer_size=8, seed=0): its buffer" in text, text
         assert elapsed < 20
 
 
