@@ -127,8 +127,12 @@ def reshard(
         warnings.warn(message, ApproximateResumeWarning, stacklevel=4)
     ended = between and approximated is None
     # The rest of an epoch draws from salted generators: a new worker must not repeat
-    # the draws the old worker of the same id made at the start of the epoch.
-    salted = not between and approximated is None
+    # the draws the old worker of the same id made at the start of the epoch. When the
+    # stages answered a fresh epoch's start (a save between epochs, or before any item),
+    # the epoch draws as a fresh run's.
+    salted = approximated is None and new_states != [
+        _epoch_start(stage, context, target) for context in contexts
+    ]
     workers = tuple(
         WorkerState(
             worker_id=context.worker_id,

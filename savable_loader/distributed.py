@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from .errors import (
+    ApproximateResumeWarning,
     ConfigError,
     SavableLoaderError,
     StateError,
@@ -204,17 +205,18 @@ def _scatter(
     if dist.get_rank(group) == src_rank:
         try:
             saved = _validated(states)
+            note: str | None = None
             if len(saved) == size and all(s.num_workers == loader.num_workers for s in saved):
                 mine = saved
             else:
                 with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
+                    warnings.simplefilter("always", ApproximateResumeWarning)
                     mine = [
                         loader.reshard(saved, rank=r, approximate=approximate) for r in range(size)
                     ]
-                for warning in caught[:1]:  # one per rank, all alike
-                    warnings.warn(warning.message, warning.category, stacklevel=3)
-            payload = [("ok", state.to_plain()) for state in mine]
+                notes = [w for w in caught if issubclass(w.category, ApproximateResumeWarning)]
+                note = str(notes[0].message) if notes else None  # one per rank, all alike
+            payload = [("ok", (state.to_plain(), note)) for state in mine]
         except Exception as error:  # sent to every rank instead of the states
             payload = [("error", (type(error).__name__, str(error)))] * size
     received: list[Any] = [None]
@@ -226,7 +228,11 @@ def _scatter(
         raise _ERRORS.get(name, StateError)(
             f"restore_state_global: the states on rank {src_rank} cannot be restored: {text}"
         )
-    return body
+    state, note = body
+    if note is not None:
+        # Every rank says what its restore approximated, not only the one that computed it.
+        warnings.warn(note, ApproximateResumeWarning, stacklevel=4)
+    return state
 
 
 def _validated(states: Any) -> list[RankState]:

@@ -142,6 +142,38 @@ def test_between_epochs_resumes_at_the_next_epoch_as_fresh(old_w, new_w):
     assert following == _fresh_epoch(noisy, new_w, 1, epoch=2)
 
 
+def _full_batches(loader: Any) -> list[Any]:
+    return [batch if isinstance(batch, torch.Tensor) else batch[1] for batch in loader]
+
+
+@pytest.mark.parametrize("name", ["limited", "seeded_draws"])
+def test_between_epochs_a_limit_and_a_seeded_map_start_the_next_epoch_as_fresh(name):
+    build = {"limited": limited, "seeded_draws": seeded_draws}[name]
+    _, states = _save(build, 2, 2, [99, 99])
+    assert all(state.between_epochs for state in states)
+    for rank in range(3):
+        with _loader(build, 3, rank, 3) as loader:
+            loader.restore_state_rank(states)
+            resumed = [_full_batches(loader) for _ in range(2)]
+        with _loader(build, 3, rank, 3) as loader:
+            for _ in loader:
+                pass
+            fresh = [_full_batches(loader) for _ in range(2)]
+        assert len(resumed[0]) == len(fresh[0]), f"rank {rank}: epoch length"
+        for got, want in zip(resumed, fresh, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), f"rank {rank}"
+
+
+def test_a_save_before_any_item_resumes_as_a_fresh_run_on_the_new_layout():
+    _, states = _save(seeded_draws, 2, 2, [0, 0])
+    with _loader(seeded_draws, 3) as loader:
+        loader.restore_state_rank(states)
+        resumed = _full_batches(loader)
+    with _loader(seeded_draws, 3) as loader:
+        fresh = _full_batches(loader)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, fresh, strict=True))
+
+
 def _draws(build: Callable[[], Any], loader: Any) -> list[float]:
     return [float(x) for batch in loader for x in batch[1]]
 

@@ -253,20 +253,21 @@ def _not_elastic(rank: int, tmp: Path) -> dict[str, Any]:
             report[mode] = _outcome(lambda: _restore(loader, path, src, rank, 3))  # noqa: B023
         finally:
             loader.close()
-    loader = _loader("shuffle", 2)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _restore(loader, path, None, rank, 3, approximate=True)
-        report["warnings"] = [
-            str(warning.message)
-            for warning in caught
-            if issubclass(warning.category, ApproximateResumeWarning)
-        ]
-        report["rest"] = _epoch(loader)
-        report["next"] = _epoch(loader)
-    finally:
-        loader.close()
+    for suffix, src in (("", None), ("_src", 0)):
+        loader = _loader("shuffle", 2)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _restore(loader, path, src, rank, 3, approximate=True)
+            report[f"warnings{suffix}"] = [
+                str(warning.message)
+                for warning in caught
+                if issubclass(warning.category, ApproximateResumeWarning)
+            ]
+            report[f"rest{suffix}"] = _epoch(loader)
+            report[f"next{suffix}"] = _epoch(loader)
+        finally:
+            loader.close()
     return report
 
 
@@ -451,12 +452,14 @@ def test_a_non_elastic_pipeline_resumed_approximately_warns_and_restarts_the_epo
     reports = [report["not_elastic"] for report in _result("restore3", state_dir)]
     fresh = _fresh_epochs(3, "shuffle", 2, state_dir)
     for rank, report in enumerate(reports):
-        assert len(report["warnings"]) == 1, f"rank {rank}: {report['warnings']}"
-        (message,) = report["warnings"]
-        assert "shuffle(buffer_size=8, seed=0)" in message
-        assert "restarts epoch 0" in message
-        assert report["rest"] == fresh[rank][0], f"rank {rank}: epoch 0 did not restart"
-        assert report["next"] == fresh[rank][1], f"rank {rank}: epoch 1 is not a fresh run's"
+        for suffix in ("", "_src"):  # every rank says so, also when src_rank computed it
+            warned = report[f"warnings{suffix}"]
+            assert len(warned) == 1, f"rank {rank}{suffix}: {warned}"
+            (message,) = warned
+            assert "shuffle(buffer_size=8, seed=0)" in message
+            assert "restarts epoch 0" in message
+            assert report[f"rest{suffix}"] == fresh[rank][0], f"rank {rank}{suffix}: restart"
+            assert report[f"next{suffix}"] == fresh[rank][1], f"rank {rank}{suffix}: epoch 1"
 
 
 def test_a_save_with_one_rank_already_in_the_next_epoch_reshards_from_its_start() -> None:
