@@ -262,7 +262,15 @@ def _exact_state(stage: Stage[Any], context: WorkerContext, worker: WorkerState)
                 )
             cursor.restore(decode_dataset_state(checkpoint.dataset_state))
             rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
-        _replay(cursor, worker.replay * (context.batch_size or 1))
+        items = worker.replay * (context.batch_size or 1)
+        try:
+            _replay(cursor, items)
+        except Exception as error:
+            raise StateError(
+                f"cannot reshard: replaying {items} item(s) of rank {context.rank} worker "
+                f"{context.worker_id} to the position it was saved at raised {error!r}; the "
+                "pipeline must read the same items again to be resharded"
+            ) from error
         return cursor.state()
     finally:
         rng.apply(outer)

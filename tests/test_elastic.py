@@ -491,3 +491,42 @@ def test_the_rest_of_the_epoch_repeats_no_draw_of_the_saved_run(build):
         rest_draws = _draws(build, loader)
     assert len(head_draws) == 16
     assert not set(head_draws) & set(rest_draws)
+
+
+class _Flaky:
+    """Raises when the item at ``index`` is mapped in the main process (the reshard's
+    replay), never in a worker."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, item: int) -> int:
+        from torch.utils.data import get_worker_info
+
+        if item == self.index and get_worker_info() is None:
+            raise ValueError("decoder broke")
+        return item
+
+
+def test_a_replay_that_raises_during_the_reshard_is_a_state_error():
+    def build() -> Any:
+        return IndexedDataset(list(range(N)), seed=SEED).filter(_odd_tens).map(_Flaky(5))
+
+    with SavableDataLoader(
+        build(),
+        batch_size=BATCH,
+        num_workers=1,
+        seed=SEED,
+        worker_config=WorkerConfig(checkpoint_share=0.0001),
+    ) as loader:
+        stream = iter(loader)
+        for _ in range(6):
+            next(stream)
+        state = loader.save_state_rank()
+    assert state.workers[0].replay > 0  # the checkpoint stands before the item that raises
+    with (
+        _loader(build, 2) as loader,
+        pytest.raises(StateError, match=r"replaying \d+ item\(s\) of rank 0 worker 0") as info,
+    ):
+        loader.restore_state_rank(state)
+    assert isinstance(info.value.__cause__, ValueError)
