@@ -77,6 +77,7 @@ def reshard(
     stage = layout.dataset
     approximated: str | None = None
     new_states: list[Any] = []
+    untouched = False
     salt = 0
     contexts = [
         WorkerContext(
@@ -99,6 +100,7 @@ def reshard(
         new_states = [
             stage.reshard(ReshardPlan(target, old, context, salt)) for context in contexts
         ]
+        untouched = all(_at_start(stage, stream, target) for stream in old)
     except NotElastic as error:
         if not approximate:
             changes = "; ".join(
@@ -127,12 +129,12 @@ def reshard(
         warnings.warn(message, ApproximateResumeWarning, stacklevel=4)
     ended = between and approximated is None
     # The rest of an epoch draws from salted generators: a new worker must not repeat
-    # the draws the old worker of the same id made at the start of the epoch. When the
-    # stages answered a fresh epoch's start (a save between epochs, or before any item),
-    # the epoch draws as a fresh run's.
-    salted = approximated is None and new_states != [
-        _epoch_start(stage, context, target) for context in contexts
-    ]
+    # the draws the old worker of the same id made at the start of the epoch. When no
+    # saved stream consumed anything of the epoch (a save between epochs, or before any
+    # item), the epoch starts as a fresh run's: its states, its generators, no quota.
+    salted = approximated is None and not untouched
+    if approximated is None and untouched:
+        new_states = [_epoch_start(stage, context, target) for context in contexts]
     workers = tuple(
         WorkerState(
             worker_id=context.worker_id,
@@ -286,6 +288,13 @@ def _replay(cursor: Cursor[Any], items: int) -> None:
             next(cursor)
         except StopIteration:
             return
+
+
+def _at_start(stage: Stage[Any], stream: OldStream, epoch: int) -> bool:
+    """Whether ``stream`` stands at the start of ``epoch``, having consumed none of it."""
+    if stream.state is None:
+        return epoch == 0
+    return bool(stream.state == _epoch_start(stage, stream.context, epoch))
 
 
 def _epoch_start(stage: Any, context: WorkerContext, epoch: int) -> Any:

@@ -30,8 +30,8 @@ its share as ``quota``, its limit for the rest of that epoch. The items themselv
 from the parent's resharded rest of the epoch, so nothing consumed before the save comes
 again, and the resumed epoch yields as many items as the saved layout had left (fewer
 only if the parent runs out first). The next epoch has ``n`` per stream again. When no
-saved stream yielded anything of the resumed epoch (a save between epochs), there is no
-quota: the epoch starts as a fresh run's does.
+saved stream consumed anything of the resumed epoch (a save between epochs), the loader
+starts the epoch as a fresh run does instead, without a quota (``_elastic.py``).
 """
 
 from __future__ import annotations
@@ -88,23 +88,15 @@ class Limit(Transform[T]):
         """Splits what the saved streams had left over the new ones (NOTE [ Elastic limit ])."""
         parent = self.source.reshard(plan.parents())
         left = 0
-        untouched = True  # every stream stands in the epoch, nothing yielded, no quota
         for stream in plan.old:
             if stream.state is None:
                 left += self.n
-                untouched = untouched and plan.epoch == 0
                 continue
             own = validate_state(
                 _Count, {k: v for k, v in stream.state.items() if k != "parent"}, "Limit"
             )
             if _epoch_of(stream.state["parent"]) == plan.epoch:
                 left += max(0, (self.n if own.quota is None else own.quota) - own.count)
-                untouched = untouched and own.count == 0 and own.quota is None
-            else:
-                untouched = False
-        if untouched:
-            # A save between epochs, or before any item: the epoch starts as a fresh one.
-            return {"parent": parent, "count": 0}
         streams, index = plan.new.num_shards, plan.new.shard_index
         quota = left // streams + (1 if index < left % streams else 0)
         return {"parent": parent, "count": 0, "quota": quota}

@@ -80,16 +80,6 @@ class Map(Transform[U]):
         parent = {"parent": self.source.reshard(plan.parents())}
         if self.seed is None:
             return parent
-        # Salted only when a saved stream mapped items of the epoch: a save between
-        # epochs resumes at the next epoch's start, keyed as a fresh run keys it.
-        mapped = any(
-            isinstance(stream.state, dict)
-            and stream.state.get("epoch") == plan.epoch
-            and stream.state.get("position", 0) > 0
-            for stream in plan.old
-        )
-        if not mapped:
-            return {**parent, "epoch": plan.epoch, "position": 0}
         return {**parent, "epoch": plan.epoch, "position": 0, "salt": plan.salt}
 
     def cursor(self, context: WorkerContext) -> Cursor[U]:
