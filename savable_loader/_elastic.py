@@ -63,7 +63,8 @@ class Layout:
 def reshard(
     states: Sequence[RankState], layout: Layout, rank: int, *, approximate: bool = False
 ) -> RankState:
-    """Returns rank ``rank``'s state in ``layout`` from every rank's state of one save.
+    """Returns rank ``rank``'s state in ``layout`` from every rank's state of one save
+    (as ``one_save()`` validated them).
 
     Raises:
         StateMismatchError: The states do not belong together or to this pipeline, or the
@@ -172,16 +173,8 @@ def _check(states: Sequence[RankState], layout: Layout) -> int:
     Ranks that finished epoch ``e`` and have not begun ``e + 1`` count as standing at the
     start of ``e + 1`` when the other ranks already began it.
     """
-    if not states:
-        raise StateMismatchError("cannot restore from an empty list of states")
-    first = states[0]
+    first = states[0]  # one_save() checked the list's ranks
     for index, state in enumerate(states):
-        if state.rank != index or state.world_size != len(states):
-            raise StateMismatchError(
-                f"states[{index}] is rank {state.rank} of {state.world_size}; a restore onto "
-                "another layout needs every rank's state of one save, in rank order, as "
-                "save_state_global() returns them"
-            )
         for name in ("fingerprint", "seed", "batch_size", "num_workers"):
             if getattr(state, name) != getattr(first, name):
                 raise StateMismatchError(

@@ -49,7 +49,7 @@ from .errors import (
     StorageError,
     WorkerError,
 )
-from .state.models import RankState
+from .state.models import RankState, one_save
 
 if TYPE_CHECKING:
     from .loader import SavableDataLoader
@@ -247,15 +247,7 @@ def _validated(states: Any) -> list[RankState]:
         raise StateFormatError(
             f"restore_state_global takes a list of states, got {type(states).__name__}"
         )
-    validated = [RankState.from_plain(state) for state in states]
-    for index, state in enumerate(validated):
-        if state.rank != index or state.world_size != len(validated):
-            raise StateFormatError(
-                f"states[{index}] is the state of rank {state.rank} of {state.world_size}; "
-                "the list must hold one state per rank in rank order, as save_state_global() "
-                "returns it"
-            )
-    return validated
+    return one_save(states)
 
 
 def _agree(

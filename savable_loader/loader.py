@@ -116,7 +116,7 @@ from .errors import (
 from .rng import derive_seed
 from .state.files import decode_state, encode_state
 from .state.fingerprint import fingerprint
-from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState
+from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState, one_save
 
 __all__ = ["SavableDataLoader"]
 
@@ -808,7 +808,7 @@ class SavableDataLoader(DataLoader[Any]):
                 return single
             states = [single]
         elif isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
-            states = [RankState.from_plain(entry) for entry in state]
+            states = one_save(state)
         else:
             raise StateFormatError(
                 "restore_state_rank takes a state, a list of every rank's state, or None; "
@@ -820,11 +820,6 @@ class SavableDataLoader(DataLoader[Any]):
             and all(s.num_workers == self.num_workers for s in states)
             and all(s.world_size == self.world_size for s in states)
         ):
-            if states[self.rank].rank != self.rank:
-                raise StateFormatError(
-                    f"states[{self.rank}] is the state of rank {states[self.rank].rank}; the "
-                    "list must hold one state per rank in rank order"
-                )
             return states[self.rank]
         return self.reshard(states, rank=self.rank, approximate=approximate)
 
@@ -851,8 +846,7 @@ class SavableDataLoader(DataLoader[Any]):
             world_size=self.world_size,
             num_workers=self.num_workers,
         )
-        plain = [RankState.from_plain(entry) for entry in states]
-        return _elastic.reshard(plain, layout, rank, approximate=approximate)
+        return _elastic.reshard(one_save(states), layout, rank, approximate=approximate)
 
     def save_state_global(self, global_dst_rank: int = 0) -> list[RankState] | None:
         """Gathers every rank's state on ``global_dst_rank``: a collective, every rank calls it.

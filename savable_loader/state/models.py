@@ -17,6 +17,7 @@ end-of-epoch event, so a replay never crosses an epoch boundary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import (
@@ -211,6 +212,27 @@ class RankState(_Model):
             return cls.model_validate(data)
         except ValidationError as error:
             raise StateFormatError(f"invalid loader state: {error}") from None
+
+
+def one_save(states: Sequence[Any]) -> list[RankState]:
+    """Validates the states of one save: one per rank, in rank order, as
+    ``save_state_global()`` returns them (``RankState`` or plain data).
+
+    Raises:
+        StateFormatError: The list is empty, an entry is malformed, or an entry is not
+            the state of the rank at its index of a save of ``len(states)`` ranks.
+    """
+    validated = [RankState.from_plain(state) for state in states]
+    if not validated:
+        raise StateFormatError("an empty list of states: a save has one state per rank")
+    for index, state in enumerate(validated):
+        if state.rank != index or state.world_size != len(validated):
+            raise StateFormatError(
+                f"states[{index}] is the state of rank {state.rank} of {state.world_size}; "
+                "the list must hold one state per rank in rank order, as save_state_global() "
+                "returns it"
+            )
+    return validated
 
 
 def _listify(value: Any) -> Any:
