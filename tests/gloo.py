@@ -100,3 +100,14 @@ def in_rank_order(reports: dict[int, tuple[str, Any]], world_size: int, label: s
     missing = sorted(set(range(world_size)) - set(reports))
     assert not missing, f"{label} on {world_size} ranks: ranks {missing} did not report in time"
     return [reports[rank][1] for rank in range(world_size)]
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, str, float]:
+    """Runs ``call`` in a rank; returns (exception type name or "ok", message, seconds),
+    plain data a rank can report back."""
+    began = time.monotonic()
+    try:
+        call()
+    except Exception as error:
+        return type(error).__name__, str(error), time.monotonic() - began
+    return "ok", "", time.monotonic() - began

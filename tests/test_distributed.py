@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gloo import in_rank_order, run_ranks
+from gloo import in_rank_order, outcome, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -61,15 +61,6 @@ def _remaining(loader: Any) -> list[list[int]]:
     return list(_batches(loader, epochs))
 
 
-def _outcome(call: Any) -> tuple[str, str, float]:
-    began = time.monotonic()
-    try:
-        call()
-    except Exception as error:
-        return type(error).__name__, str(error), time.monotonic() - began
-    return "ok", "", time.monotonic() - began
-
-
 def _job_save(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     from savable_loader import save_state
 
@@ -111,7 +102,7 @@ def _job_restore(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
             # Not elastic: refused on every rank.
             loader = _shuffle_loader()
             states = load_state(tmp / "shuffle2.msgpack") if src is None or rank == src else None
-            result[f"mismatch_{mode}"] = _outcome(
+            result[f"mismatch_{mode}"] = outcome(
                 lambda: loader.restore_state_global(states, src_rank=src)  # noqa: B023
             )
             loader.close()
@@ -136,10 +127,10 @@ def _job_kill(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
         if rank == world_size - 1:
             os.kill(loader.worker_stats()[0]["pid"], signal.SIGKILL)
             time.sleep(0.2)
-        outcome = _outcome(lambda: loader.save_state_global(global_dst_rank=0))
+        saved = outcome(lambda: loader.save_state_global(global_dst_rank=0))
     finally:
         loader.close()
-    return {"save": outcome}
+    return {"save": saved}
 
 
 def _job_dcp(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:

@@ -17,7 +17,6 @@ The helpers live at module level so that the spawned ranks can import them (pyte
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gloo import in_rank_order, run_ranks
+from gloo import in_rank_order, outcome, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -215,15 +214,6 @@ def _restore(
     loader.restore_state_global(states, src_rank=src, **kwargs)
 
 
-def _outcome(call: Callable[[], Any]) -> tuple[str, str, float]:
-    began = time.monotonic()
-    try:
-        call()
-    except Exception as error:
-        return type(error).__name__, str(error), time.monotonic() - began
-    return "ok", "", time.monotonic() - began
-
-
 def _hop(rank: int, tmp: Path) -> list[int]:
     """2x2 -> 3x2: restores, reads a few batches, saves again; returns what it read."""
     from savable_loader import save_state
@@ -250,7 +240,7 @@ def _not_elastic(rank: int, tmp: Path) -> dict[str, Any]:
     for mode, src in (("full", None), ("src", 0)):
         loader = _loader("shuffle", 2)
         try:
-            report[mode] = _outcome(lambda: _restore(loader, path, src, rank, 3))  # noqa: B023
+            report[mode] = outcome(lambda: _restore(loader, path, src, rank, 3))  # noqa: B023
         finally:
             loader.close()
     for suffix, src in (("", None), ("_src", 0)):
