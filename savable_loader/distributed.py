@@ -206,7 +206,7 @@ def _scatter(
         try:
             saved = _validated(states)
             note: str | None = None
-            if len(saved) == size and all(s.num_workers == loader.num_workers for s in saved):
+            if loader._saved_on_this_layout(saved):
                 mine = saved
             else:
                 with warnings.catch_warnings(record=True) as caught:

@@ -814,14 +814,16 @@ class SavableDataLoader(DataLoader[Any]):
                 "restore_state_rank takes a state, a list of every rank's state, or None; "
                 f"got {type(state).__name__}"
             )
-        if (
-            states
-            and len(states) == self.world_size
-            and all(s.num_workers == self.num_workers for s in states)
-            and all(s.world_size == self.world_size for s in states)
-        ):
+        if self._saved_on_this_layout(states):
             return states[self.rank]
         return self.reshard(states, rank=self.rank, approximate=approximate)
+
+    def _saved_on_this_layout(self, states: Sequence[RankState]) -> bool:
+        """Whether one save's states (as ``one_save()`` checked them) come from this
+        loader's number of ranks and workers, so that no reshard is needed."""
+        return len(states) == self.world_size and all(
+            state.num_workers == self.num_workers for state in states
+        )
 
     def reshard(
         self,
