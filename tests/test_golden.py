@@ -2,9 +2,12 @@
 
 Each file under ``tests/golden/`` was saved by ``tests/golden/make_golden.py``. A fresh
 loader built the same way restores it and must continue exactly as an uninterrupted run
-computed now does, so the files pin the format *and* the semantics of a state. If the
-format ever changes on purpose, old files must fail with a clear version error, which the
-last tests check by bumping the version of a golden file.
+computed now does, so the files pin the format *and* the semantics of a state. A file
+saved after a restore (a chain, or an elastic restore onto another layout) must continue
+exactly as the live loader it was saved from, recomputed now from the committed file it
+restored. The files hold format-1 states; the restore test reads them through
+``load_state`` only, so it keeps checking them once a later format migrates them on load.
+The last tests check that a file of a newer format fails with a clear version error.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import struct
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import msgpack
 import pytest
 
-from savable_loader import RankState, StateFormatError, load_state
+from savable_loader import StateFormatError, load_state
 from savable_loader.serialization import HEADER_SIZE, dumps, loads
 from savable_loader.state.files import decode_state
 from savable_loader.testing import digest
@@ -40,41 +45,128 @@ make_golden = _make_golden()
 GOLDENS = {golden.name: golden for golden in make_golden.GOLDENS}
 
 
-def _states(name: str) -> list[RankState]:
+def _states(name: str) -> list[Any]:
     state = load_state(GOLDENS[name].path)
     return state if isinstance(state, list) else [state]
+
+
+def _payload_states(name: str) -> list[dict[str, Any]]:
+    """The rank states as the file holds them (plain data, not a loaded model)."""
+    payload = loads(GOLDENS[name].path.read_bytes())
+    assert isinstance(payload, dict)
+    return [payload["state"]] if payload["kind"] == "rank" else payload["states"]
+
+
+def _dataset_states(name: str) -> list[Any]:
+    """Every worker checkpoint's dataset state in the file, decoded."""
+    return [
+        msgpack.unpackb(worker["checkpoint"]["dataset_state"], raw=False, strict_map_key=False)
+        for state in _payload_states(name)
+        for worker in state["workers"]
+        if worker["checkpoint"] is not None
+    ]
+
+
+def _keys(tree: Any) -> set[str]:
+    if isinstance(tree, dict):
+        return set(tree).union(*(_keys(value) for value in tree.values()))
+    if isinstance(tree, list):
+        return set().union(*(_keys(value) for value in tree))
+    return set()
+
+
+def _continue(loader: Any, epochs: int) -> list[str]:
+    """Digests of what ``epochs`` iterations of ``loader`` yield (the first one continues
+    an epoch left half-read)."""
+    return [digest(item) for _ in range(epochs) for item in loader]
+
+
+def _expected(golden: Any, rank: int) -> tuple[int, list[str]]:
+    """How many iterations a restored loader runs, and the digests they must yield."""
+    if golden.restored is not None:
+        # NOTE [ Derived goldens ] in make_golden.py: the live loader the state came from.
+        with make_golden.positioned(golden, rank) as live:
+            return EPOCHS - 1, _continue(live, EPOCHS - 1)
+    with golden.build(rank, golden.world_size) as reference:
+        epochs = [[digest(item) for item in reference] for _ in range(EPOCHS)]
+    taken = golden.taken[rank]
+    if taken < 0:
+        return EPOCHS - 1, [item for epoch in epochs[1:] for item in epoch]
+    # The epoch of the last item taken (a save right after an epoch's last item, before
+    # its StopIteration, still stands in that epoch).
+    epoch, end = 0, len(epochs[0])
+    while taken > end:
+        epoch += 1
+        end += len(epochs[epoch])
+    flat = [item for epoch in epochs for item in epoch]
+    return EPOCHS - epoch, flat[taken:]
 
 
 def test_every_golden_file_is_committed():
     assert sorted(path.stem for path in GOLDEN.glob("*.msgpack")) == sorted(GOLDENS)
 
 
+def test_the_memory_files_of_the_file_sources_are_unchanged():
+    """The file sources' goldens hold byte offsets into these files."""
+    assert make_golden.memory_digest() == make_golden.MEMORY_DIGEST
+
+
+@pytest.mark.parametrize("name", sorted(GOLDENS))
+def test_golden_file_holds_format_1_states_of_its_ranks(name):
+    golden = GOLDENS[name]
+    states = _payload_states(name)
+    assert [state["format_version"] for state in states] == [1] * golden.world_size
+    assert [(state["rank"], state["world_size"]) for state in states] == [
+        (rank, golden.world_size) for rank in range(golden.world_size)
+    ]
+
+
 @pytest.mark.parametrize("name", sorted(GOLDENS))
 def test_golden_state_restores_and_continues_exactly(name):
     golden = GOLDENS[name]
     states = _states(name)
-    world_size = len(golden.taken)
-    assert len(states) == world_size
-    for rank, (state, taken) in enumerate(zip(states, golden.taken, strict=True)):
-        assert (state.format_version, state.rank, state.world_size) == (1, rank, world_size)
-        with golden.build(rank, world_size) as reference:
-            epochs = [[digest(item) for item in reference] for _ in range(EPOCHS)]
-        flat = [item for epoch in epochs for item in epoch]
-        if taken < 0:
-            assert state.between_epochs
-            taken = len(epochs[0])
-        with golden.build(rank, world_size) as restored:
+    assert len(states) == golden.world_size
+    for rank, state in enumerate(states):
+        iterations, expected = _expected(golden, rank)
+        with golden.build(rank, golden.world_size) as restored:
             restored.restore_state_rank(state)
-            remaining = EPOCHS - state.epoch - (1 if state.between_epochs else 0)
-            rest = [digest(item) for _ in range(remaining) for item in restored]
-        assert rest == flat[taken:], f"{name}, rank {rank}"
+            rest = _continue(restored, iterations)
+        assert rest == expected, f"{name}, rank {rank}"
+        assert expected, f"{name}, rank {rank}: nothing left to compare"
 
 
 def test_golden_two_worker_state_replays():
     """The mid-epoch file holds real checkpoints, not only a start position."""
-    (state,) = _states("rank_2_workers_mid_epoch")
-    assert [worker.delivered for worker in state.workers] != [0, 0]
-    assert all(worker.checkpoint is not None for worker in state.workers)
+    (state,) = _payload_states("rank_2_workers_mid_epoch")
+    assert [worker["delivered"] for worker in state["workers"]] != [0, 0]
+    assert all(worker["checkpoint"] is not None for worker in state["workers"])
+
+
+def test_golden_files_hold_the_state_shapes_they_cover():
+    """Each golden covers the state it is named for: checked on the files' plain data, so
+    that a change of the writer cannot silently turn one into a plainer state."""
+    (uneven,) = _payload_states("uneven_3_workers_one_ended")
+    assert uneven["next_worker"] != 0
+    assert [worker["ended"] for worker in uneven["workers"]] == [True, False, False]
+    (shuffled,) = _payload_states("indexed_shuffled_2_workers")
+    assert shuffled["next_worker"] == 1
+    (partial,) = _payload_states("last_partial_batch")
+    assert any(worker["checkpoint"]["exhausted"] for worker in partial["workers"])
+    assert not any(worker["ended"] for worker in partial["workers"])
+    (unbatched,) = _payload_states("no_batching")
+    assert unbatched["batch_size"] is None
+    (window,) = _dataset_states("shuffle_mid_window")
+    assert window["window"] > 0
+    assert 0 < window["emitted"] < 5
+    assert all("passes" in state for state in _dataset_states("repeat"))
+    assert all("count" in state for state in _dataset_states("limit"))
+    for state in _dataset_states("elastic_indexed_resharded"):
+        assert {"done_below", "done", "salt", "quota"} <= _keys(state)
+    for state in _dataset_states("elastic_jsonl_resharded"):
+        assert {"done_below", "done", "started"} <= _keys(state)
+        assert state["parent"]["started"]
+    for name in ("elastic_indexed_2_ranks", "elastic_jsonl_2_ranks"):
+        assert len(_payload_states(name)) == 2
 
 
 def test_golden_file_with_a_newer_file_format_fails_with_a_version_error():
