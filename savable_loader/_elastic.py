@@ -3,11 +3,12 @@
 :func:`reshard` turns the states of every rank of one save into the state of one rank of
 the new layout. It brings each saved stream to the consumer's exact position first: a
 worker's checkpoint may stand a few events before what the loader handed on, and the
-events in between are replayed here, in the main process, under the checkpoint's own
-generators (which are put back afterwards). The pipeline's outermost stage then answers
-one :class:`~savable_loader.datasets.elastic.ReshardPlan` per new worker. The new
-workers start the resumed epoch from those states with nothing to replay and their
-global generators seeded for that epoch (NOTE [ Generators per epoch ] in ``_worker.py``).
+events in between are replayed here, in the main process, by the same runtime the
+workers run (NOTE [ The runtime ] in ``_runtime.py``), under the checkpoint's own
+generators. The pipeline's root stage then answers one
+:class:`~savable_loader.datasets.elastic.ReshardPlan` per new worker. The new workers
+start the resumed epoch from those states with nothing to replay and their global
+generators seeded for that epoch (NOTE [ Generators per epoch ] in ``_runtime.py``).
 """
 
 from __future__ import annotations
@@ -17,47 +18,25 @@ import dataclasses
 import hashlib
 import logging
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 
-from . import rng
+from ._layout import Layout
+from ._runtime import PipelineRuntime, RuntimeSpec, WorkerStart, epoch_rng_state
 from ._version import __version__
-from ._worker import decode_dataset_state, epoch_rng_state
 from .config import WorkerContext
-from .datasets.elastic import NotElastic, OldStream, ReshardPlan
-from .datasets.stage import Cursor, Stage
+from .datasets.adapt import DatasetStage
+from .datasets.elastic import OldStream, ReshardPlan
+from .datasets.stage import Stage
+from .datasets.stateful import StatefulDataset
 from .errors import ApproximateResumeWarning, StateError, StateMismatchError
 from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState
 
-__all__ = ["Layout", "reshard"]
+__all__ = ["reshard"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The loader a state is resharded for.
-
-    Attributes:
-        dataset: The loader's pipeline.
-        fingerprint: The loader's fingerprint.
-        fingerprint_for: The loader's fingerprint had it ``num_workers`` workers.
-        seed: The loader seed.
-        batch_size: Items per batch (None: no batching).
-        world_size: Ranks of the new layout.
-        num_workers: Workers per rank of the new layout.
-    """
-
-    dataset: Any
-    fingerprint: str
-    fingerprint_for: Callable[[int], str]
-    seed: int
-    batch_size: int | None
-    world_size: int
-    num_workers: int
 
 
 def reshard(
@@ -75,7 +54,7 @@ def reshard(
     saved = states[0]
     between = all(state.between_epochs for state in states)
     target = epoch + 1 if between else epoch
-    stage = layout.dataset
+    root = layout.root
     approximated: str | None = None
     new_states: list[Any] = []
     untouched = False
@@ -86,44 +65,38 @@ def reshard(
         )
         for w in range(max(layout.num_workers, 1))
     ]
-    try:
-        if not isinstance(stage, Stage):
-            name = type(stage).__name__
-            raise NotElastic(
-                name,
-                "its state is your dataset's own save_state(), which only your dataset can read",
-                "restore on the number of workers and ranks it was saved with, build the "
-                "pipeline from the library's sources, or pass approximate=True to restart the "
-                "interrupted epoch on the new layout",
-            )
-        old = tuple(_old_streams(stage, states))
+    problem = root.not_elastic()
+    if problem is None:
+        old = tuple(_old_streams(root, states))
         salt = _salt(old)
-        new_states = [
-            stage.reshard(ReshardPlan(target, old, context, salt)) for context in contexts
-        ]
-        untouched = all(_at_start(stage, stream, target) for stream in old)
-    except NotElastic as error:
-        if not approximate:
-            changes = "; ".join(
-                f"{name} was {before} when the state was saved and is {after} now"
-                for name, before, after in (
-                    ("world_size", saved.world_size, layout.world_size),
-                    ("num_workers", saved.num_workers, layout.num_workers),
-                )
-                if before != after
+        new_states = [root.reshard(ReshardPlan(target, old, context, salt)) for context in contexts]
+        untouched = all(_at_start(root, stream, target) for stream in old)
+    elif not approximate:
+        changes = "; ".join(
+            f"{name} was {before} when the state was saved and is {after} now"
+            for name, before, after in (
+                ("world_size", saved.world_size, layout.world_size),
+                ("num_workers", saved.num_workers, layout.num_workers),
             )
-            raise StateMismatchError(
-                f"cannot restore: {changes}, and the pipeline is not elastic: {error.stage}: "
-                f"{error.reason}. To resume, {error.fix}"
-            ) from None
-        restart = (
-            f"restarts epoch {target} from its beginning, so the items of epoch {target} "
-            "delivered before the save come again"
-            if isinstance(stage, Stage)
-            else "restarts your dataset from its initial state (restore_state(None))"
+            if before != after
         )
-        approximated = f"{error.stage}: {error.reason}; the new layout {restart}"
-        new_states = [_epoch_start(stage, context, target) for context in contexts]
+        raise StateMismatchError(
+            f"cannot restore: {changes}, and the pipeline is not elastic: {problem.stage}: "
+            f"{problem.reason}. To resume, {problem.fix}"
+        )
+    else:
+        initial = _restarts_from_initial(root)
+        restart = (
+            "restarts your dataset from its initial state (restore_state(None))"
+            if initial
+            else f"restarts epoch {target} from its beginning, so the items of epoch {target} "
+            "delivered before the save come again"
+        )
+        approximated = f"{problem.stage}: {problem.reason}; the new layout {restart}"
+        scratch = copy.deepcopy(root)  # NOTE [ A dataset is its own position ] in adapt.py
+        new_states = [
+            _epoch_start(scratch, context, 0 if initial else target) for context in contexts
+        ]
     if approximated is not None:
         message = f"approximate resume: {approximated}"
         logger.warning(message)
@@ -135,7 +108,7 @@ def reshard(
     # item), the epoch starts as a fresh run's: its states, its generators, no quota.
     salted = approximated is None and not untouched
     if approximated is None and untouched:
-        new_states = [_epoch_start(stage, context, target) for context in contexts]
+        new_states = [_epoch_start(root, context, target) for context in contexts]
     workers = tuple(
         WorkerState(
             worker_id=context.worker_id,
@@ -143,8 +116,7 @@ def reshard(
             ended=ended,
             checkpoint=Checkpoint(
                 seq=1 if ended else 0,
-                exhausted=False,
-                dataset_state=_pack(state),
+                state=state,
                 rng=epoch_rng_state(
                     layout.seed, rank, context.worker_id, target, salt if salted else None
                 ),
@@ -165,6 +137,14 @@ def reshard(
         next_worker=0,
         workers=workers,
     )
+
+
+def _restarts_from_initial(root: Stage[Any]) -> bool:
+    """Whether an approximate resume restarts the pipeline from its initial state rather
+    than from the epoch: a pipeline that is your dataset, or an adapted Stateful object,
+    itself (under another stage they read the earlier epochs through)."""
+    pipeline = root.children[0] if root.children else root
+    return isinstance(pipeline, (DatasetStage, StatefulDataset))
 
 
 def _check(states: Sequence[RankState], layout: Layout) -> int:
@@ -214,98 +194,73 @@ def _check(states: Sequence[RankState], layout: Layout) -> int:
 
 
 def _salt(old: tuple[OldStream, ...]) -> int:
-    """A 63-bit number drawn from the old streams' states (ReshardPlan.salt)."""
-    plain = [[list(dataclasses.astuple(s.context)), s.state] for s in old]
+    """A 63-bit number drawn from the old streams' pipeline states, batching aside
+    (ReshardPlan.salt)."""
+    plain = [[list(dataclasses.astuple(s.context)), _pipeline_state(s.state)] for s in old]
     digest = hashlib.blake2b(msgpack.packb(plain, use_bin_type=True), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
 
-def _old_streams(stage: Stage[Any], states: Sequence[RankState]) -> list[OldStream]:
+def _pipeline_state(state: Any) -> Any:
+    """The pipeline's part of a root state (below the batching stage)."""
+    return state["parent"] if isinstance(state, dict) and "parent" in state else state
+
+
+def _old_streams(root: Stage[Any], states: Sequence[RankState]) -> list[OldStream]:
     streams = []
     for state in states:
+        spec = RuntimeSpec(
+            root=root,
+            seed=state.seed,
+            rank=state.rank,
+            world_size=state.world_size,
+            num_workers=state.num_workers,
+            batch_size=state.batch_size,
+            checkpoint_share=1.0,
+            max_lag=0,
+            starts=tuple(
+                WorkerStart(checkpoint=worker.checkpoint, delivered=worker.delivered)
+                for worker in state.workers
+            ),
+        )
         for worker in state.workers:
-            context = WorkerContext(
-                state.rank,
-                state.world_size,
-                worker.worker_id,
-                state.num_workers,
-                state.seed,
-                state.batch_size,
-            )
-            streams.append(OldStream(context, _exact_state(stage, context, worker)))
+            context = spec.context(worker.worker_id)
+            streams.append(OldStream(context, _exact_state(spec, worker)))
     return streams
 
 
-def _exact_state(stage: Stage[Any], context: WorkerContext, worker: WorkerState) -> Any:
-    """The stage's state once the worker's delivered events are all consumed."""
+def _exact_state(spec: RuntimeSpec, worker: WorkerState) -> Any:
+    """The pipeline's state once the worker's delivered events are all consumed."""
     checkpoint = worker.checkpoint
     if worker.replay == 0:
-        return None if checkpoint is None else decode_dataset_state(checkpoint.dataset_state)
-    cursor = stage.cursor(context)
-    outer = rng.capture()
+        return None if checkpoint is None else copy.deepcopy(checkpoint.state)
+    runtime = PipelineRuntime(spec, worker.worker_id, in_main=True)
     try:
-        if checkpoint is None:
-            cursor.restore(None)
-            start = epoch_rng_state(context.seed, context.rank, context.worker_id, 0)
-            rng.apply(rng.RngSnapshot.from_state(start))
-        else:
-            if checkpoint.exhausted:
-                raise StateError(
-                    f"rank {context.rank} worker {context.worker_id}: its checkpoint stands at "
-                    f"the end of an epoch but {worker.replay} events follow it; the state is "
-                    "inconsistent"
-                )
-            cursor.restore(decode_dataset_state(checkpoint.dataset_state))
-            rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
-        items = worker.replay * (context.batch_size or 1)
-        try:
-            _replay(cursor, items)
-        except Exception as error:
-            raise StateError(
-                f"cannot reshard: replaying {items} item(s) of rank {context.rank} worker "
-                f"{context.worker_id} to the position it was saved at raised {error!r}; the "
-                "pipeline must read the same items again to be resharded"
-            ) from error
-        return cursor.state()
+        return runtime.catch_up()
+    except Exception as error:
+        raise StateError(
+            f"cannot reshard: replaying {worker.replay} batch(es) of rank {spec.rank} worker "
+            f"{worker.worker_id} to the position it was saved at raised {error!r}; the "
+            "pipeline must read the same items again to be resharded"
+        ) from error
     finally:
-        rng.apply(outer)
+        runtime.close()
 
 
-def _replay(cursor: Cursor[Any], items: int) -> None:
-    """Moves ``cursor`` by ``items`` items as the worker's batches read them."""
-    if cursor.can_skip():
-        cursor.skip(items)
-        return
-    for _ in range(items):
-        try:
-            next(cursor)
-        except StopIteration:
-            return
-
-
-def _at_start(stage: Stage[Any], stream: OldStream, epoch: int) -> bool:
+def _at_start(root: Stage[Any], stream: OldStream, epoch: int) -> bool:
     """Whether ``stream`` stands at the start of ``epoch``, having consumed none of it."""
     if stream.state is None:
         return epoch == 0
-    return bool(stream.state == _epoch_start(stage, stream.context, epoch))
+    return bool(stream.state == _epoch_start(root, stream.context, epoch))
 
 
-def _epoch_start(stage: Any, context: WorkerContext, epoch: int) -> Any:
-    """The pipeline's state at the start of ``epoch`` for ``context`` (approximate resume)."""
-    if isinstance(stage, Stage):
-        cursor = stage.cursor(context)
+def _epoch_start(root: Stage[Any], context: WorkerContext, epoch: int) -> Any:
+    """The pipeline's state at the start of ``epoch`` for ``context``."""
+    cursor = root.cursor(context)
+    try:
         cursor.restore(None)
         for _ in range(epoch):
             cursor.end_epoch()
         return cursor.state()
-    dataset = copy.deepcopy(stage)
-    dataset.setup(context)
-    dataset.restore_state(None)
-    return dataset.save_state()
-
-
-def _pack(state: Any) -> bytes:
-    try:
-        return msgpack.packb(state, use_bin_type=True)  # type: ignore[no-any-return]
-    except (TypeError, ValueError, OverflowError) as error:
-        raise StateError(f"a resharded state is not plain data: {error}") from error
+    finally:
+        cursor.close()

@@ -8,7 +8,7 @@ running loader and by ``close()``), and seeing the worker processes to tell a de
 from a slow one while waiting on a command, or to stop one that hung. One behaviour is
 relied on without a private name: an iterator whose ``timeout`` expired raises
 RuntimeError("DataLoader timed out after ...") and, asked again, keeps waiting for the
-same item, losing nothing (NOTE [ Watchdog ] in ``loader.py``).
+same item, losing nothing (NOTE [ Watchdog ] in ``_stream.py``).
 ``tests/test_torch_compat.py`` pins each behaviour used here, so a torch upgrade that
 changes one fails there first.
 

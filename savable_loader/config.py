@@ -25,7 +25,7 @@ class WorkerConfig:
             included) before raising :class:`~savable_loader.WorkerError`. It also bounds a
             worker's start-up while iterating (restoring its checkpoint and replaying to
             the saved position): a worker still starting after this long is reported as
-            hung (NOTE [ Watchdog ] in ``loader.py``).
+            hung (NOTE [ Watchdog ] in ``_stream.py``).
         item_timeout: Seconds a worker may spend producing one item (one batch) before
             the loader reports it as hung with a :class:`~savable_loader.WorkerError`
             naming it, and stops it; 60 by default, like ``command_timeout``, so no wait
@@ -34,7 +34,7 @@ class WorkerConfig:
             report comes within ``item_timeout`` plus a poll interval (at most a quarter
             of it, and at most one second).
         checkpoint_share: Largest share of a worker's production time spent taking
-            checkpoints (NOTE [ Checkpoint policy ] in ``_worker.py``).
+            checkpoints (NOTE [ Checkpoint policy ] in ``_ring.py``).
 
     Raises:
         ConfigError: A value is out of range.

@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from ._compat import own_state, saved_on_layout, states_for_layout
+from ._layout import Layout
+from .config import WorkerConfig
 from .errors import (
     ApproximateResumeWarning,
     ConfigError,
@@ -51,10 +54,21 @@ from .errors import (
 )
 from .state.models import RankState, one_save
 
-if TYPE_CHECKING:
-    from .loader import SavableDataLoader
-
 __all__ = ["restore_state_global", "save_state_global"]
+
+
+class SavableDataLoader(Protocol):
+    """What these collectives use of a loader (``savable_loader.SavableDataLoader``)."""
+
+    rank: int
+    world_size: int
+    worker_config: WorkerConfig
+    layout: Layout
+
+    def save_state_rank(self) -> RankState: ...
+
+    def restore_state_rank(self, state: Any, *, approximate: bool = False) -> None: ...
+
 
 #: What a rank reports to the others: None when it succeeded, else (error type, text).
 _Status = tuple[str, str] | None
@@ -169,7 +183,7 @@ def restore_state_global(
     if src_rank is None:
         try:
             _check_layout(loader, group)
-            own = loader._own_state(_validated(states), approximate=approximate)
+            own = own_state(_validated(states), loader.layout, approximate=approximate)
         except Exception as error:  # reported to every rank below
             failure = error
     else:
@@ -206,14 +220,12 @@ def _scatter(
         try:
             saved = _validated(states)
             note: str | None = None
-            if loader._saved_on_this_layout(saved):
+            if saved_on_layout(saved, loader.layout):
                 mine = saved
             else:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", ApproximateResumeWarning)
-                    mine = [
-                        loader.reshard(saved, rank=r, approximate=approximate) for r in range(size)
-                    ]
+                    mine = states_for_layout(saved, loader.layout, approximate=approximate)
                 notes = [w for w in caught if issubclass(w.category, ApproximateResumeWarning)]
                 note = str(notes[0].message) if notes else None  # one per rank, all alike
             payload = [("ok", (state.to_plain(), note)) for state in mine]

@@ -9,6 +9,14 @@ microseconds, mostly NumPy's ``get_state``); the conversion to bytes for a saved
 (:class:`~savable_loader.state.RngState`) happens only when a save asks for that
 checkpoint. CUDA generators are not captured: data pipelines run on the CPU.
 
+NOTE [ Own generators ]
+Some pipelines read under generator states of their own rather than the process's: the
+whole pipeline without workers (NOTE [ No workers ] in ``_runtime.py``), a replay in the
+main process (an elastic restore), a shuffle re-reading its window, an adapted object in
+replay mode. :class:`OwnGenerators` holds such states and is the one place that swaps
+them in: ``with generators:`` applies them, and on leaving keeps what the step drew and
+puts the process's states back.
+
 NOTE [ Seeds ]
 Every seed the loader uses derives from (loader seed, rank, worker id, purpose) through
 ``numpy.random.SeedSequence``, never from the main process's generators. A run is
@@ -30,7 +38,7 @@ import torch
 
 from .state.models import RngState
 
-__all__ = ["RngSnapshot", "apply", "capture", "derive_seed", "seed_globals"]
+__all__ = ["OwnGenerators", "RngSnapshot", "apply", "capture", "derive_seed", "seed_globals"]
 
 _PY_STATE_VERSION = 3
 _MT_WORDS = 624
@@ -86,6 +94,49 @@ def apply(snapshot: RngSnapshot) -> None:
     random._inst.gauss_next = snapshot.python_gauss  # type: ignore[attr-defined]
     _NUMPY.set(snapshot.numpy)
     torch.set_rng_state(snapshot.torch)
+
+
+class OwnGenerators:
+    """Generator states kept apart from the process's (NOTE [ Own generators ]).
+
+    ``with generators:`` applies :attr:`snapshot` to the three global generators; on
+    leaving, :attr:`snapshot` becomes what they hold then, and the states they held
+    before are applied again. Not reentrant.
+
+    Args:
+        snapshot: The states to start from.
+    """
+
+    __slots__ = ("_outer", "snapshot")
+
+    def __init__(self, snapshot: RngSnapshot) -> None:
+        self.snapshot = snapshot
+        self._outer: RngSnapshot | None = None
+
+    @classmethod
+    def seeded(cls, seed: int) -> OwnGenerators:
+        """Generators as :func:`seed_globals` ``(seed)`` leaves them; the process's own
+        generators are left as they are."""
+        generators = cls(capture())
+        with generators:
+            seed_globals(seed)
+        return generators
+
+    @classmethod
+    def of(cls, state: RngState) -> OwnGenerators:
+        """Generators in the states a saved :class:`RngState` holds."""
+        return cls(RngSnapshot.from_state(state))
+
+    def __enter__(self) -> OwnGenerators:
+        self._outer = capture()
+        apply(self.snapshot)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        outer, self._outer = self._outer, None
+        if outer is not None:
+            self.snapshot = capture()
+            apply(outer)
 
 
 class _PythonGlobalState:

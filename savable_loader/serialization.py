@@ -35,7 +35,8 @@ import struct
 
 import msgpack
 
-from savable_loader.errors import StateFormatError
+from .errors import StateFormatError
+from .plain import find_non_plain
 
 __all__ = [
     "FILE_FORMAT_VERSION",
@@ -51,9 +52,6 @@ MAGIC = b"SAVLDR\r\n"
 FILE_FORMAT_VERSION = 1
 _HEADER = struct.Struct(">8sHHQ32s")
 HEADER_SIZE = _HEADER.size
-_MAX_DEPTH = 500  # below msgpack's own nesting limit (511) and Python's recursion limit
-_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
-_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 _UPGRADE = "Upgrade savable_loader (pip install -U savable-loader) to read it."
 
 
@@ -85,7 +83,7 @@ def dumps(payload: object) -> bytes:
         StateFormatError: ``payload`` holds something else; the message names its path
             (for example ``workers[2].dataset_state``) and how to convert it.
     """
-    problem = _find_non_plain(payload)
+    problem = find_non_plain(payload)
     if problem is not None:
         raise StateFormatError(f"Cannot save the state: {problem}.")
     try:
@@ -147,7 +145,7 @@ def loads(data: bytes) -> object:
             f"The state file is corrupt: its checksum matches but its body is not valid msgpack "
             f"({exc}); it was not written by savable_loader."
         ) from exc
-    problem = _find_non_plain(payload)
+    problem = find_non_plain(payload)
     if problem is not None:
         raise StateFormatError(
             f"The state file is corrupt: its body holds data that is not plain: {problem}."
@@ -251,95 +249,3 @@ def _foreign_message(data: bytes) -> str:
         f"{start} it does not start with the signature {MAGIC!r} "
         f"(it starts with {data[:8]!r}).{hint}"
     )
-
-
-class _NotPlain(Exception):
-    """Internal: carries the reason and the path (innermost first) up the recursion."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.path: list[str | int] = []
-
-
-def _find_non_plain(payload: object) -> str | None:
-    """Returns ``"<path>: <reason>"`` for the first non-plain value in ``payload``, or None."""
-    try:
-        _check(payload, 0)
-    except _NotPlain as exc:
-        path = ""
-        for part in reversed(exc.path):
-            if isinstance(part, int):
-                path += f"[{part}]"
-            elif part.isidentifier():
-                path += f".{part}" if path else part
-            else:
-                path += f"[{part!r}]"
-        if len(path) > 120:  # a container that holds itself
-            path = path[:120] + "..."
-        return f"{path or 'the top level'}: {exc.reason}"
-    return None
-
-
-def _check(value: object, depth: int) -> None:
-    if type(value) is int:
-        if not _INT_MIN <= value <= _INT_MAX:
-            raise _NotPlain(
-                f"int {value} is outside msgpack's range -2**63..2**64-1; store it as a str"
-            )
-        return
-    if type(value) in _SCALARS:
-        return
-    if depth >= _MAX_DEPTH:
-        raise _NotPlain(
-            f"nested more than {_MAX_DEPTH} levels deep (a container that holds itself?)"
-        )
-    if type(value) is list:
-        for index, item in enumerate(value):
-            try:
-                _check(item, depth + 1)
-            except _NotPlain as exc:
-                exc.path.append(index)
-                raise
-        return
-    if type(value) is dict:
-        for key, item in value.items():
-            if type(key) is not str:
-                raise _NotPlain(
-                    f"dict key {key!r} is {type(key).__name__}, not str; keys must be str"
-                )
-            try:
-                _check(item, depth + 1)
-            except _NotPlain as exc:
-                exc.path.append(key)
-                raise
-        return
-    raise _NotPlain(_refusal(value))
-
-
-def _refusal(value: object) -> str:
-    kind = type(value)
-    name = kind.__name__
-    module = kind.__module__.partition(".")[0]
-    allowed = "plain data is dict with str keys, list, str, int, float, bool, None, bytes"
-    if isinstance(value, tuple):
-        return f"{name} is not plain data; use a list (msgpack would silently give back a list)"
-    if isinstance(value, (set, frozenset)):
-        return f"{name} is not plain data; use a sorted list"
-    if isinstance(value, (bytearray, memoryview)):
-        return f"{name} is not plain data; convert it with bytes(...)"
-    if module == "numpy":
-        return (
-            f"numpy.{name} is not plain data; convert it with int(x), float(x), "
-            "x.tolist() or x.tobytes()"
-        )
-    if module == "torch":
-        return (
-            f"torch.{name} is not plain data; convert it with x.item(), x.tolist() "
-            "or x.numpy().tobytes()"
-        )
-    base = next((b for b in kind.__mro__ if b in _SCALARS or b in (list, dict)), None)
-    if base is not None:
-        plain = base.__name__
-        return f"{name} (a subclass of {plain}) is not plain data; convert it with {plain}(x)"
-    return f"{name} is not plain data ({allowed})"

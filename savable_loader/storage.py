@@ -30,7 +30,7 @@ import fsspec
 
 from savable_loader.errors import ConfigError, StorageError
 
-__all__ = ["read_bytes", "write_bytes"]
+__all__ = ["describe_error", "read_bytes", "write_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def write_bytes(url: str | os.PathLike[str], data: bytes, **storage_options: Any
         os.makedirs(directory, exist_ok=True)
         tmp, fd = _create_temporary(directory, name)
     except OSError as exc:
-        raise StorageError(f"Cannot write {url}: {_describe(exc)}.") from exc
+        raise StorageError(f"Cannot write {url}: {describe_error(exc)}.") from exc
     try:
         with open(fd, "wb") as file:
             file.write(data)
@@ -74,7 +74,7 @@ def write_bytes(url: str | os.PathLike[str], data: bytes, **storage_options: Any
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(exc, Exception):
-            raise StorageError(f"Cannot write {url}: {_describe(exc)}.") from exc
+            raise StorageError(f"Cannot write {url}: {describe_error(exc)}.") from exc
         raise
     _fsync_directory(directory)
 
@@ -104,7 +104,7 @@ def read_bytes(url: str | os.PathLike[str], **storage_options: Any) -> bytes:
         with open(local, "rb") as file:
             return file.read()
     except OSError as exc:
-        raise StorageError(f"Cannot read {url}: {_describe(exc)}.") from exc
+        raise StorageError(f"Cannot read {url}: {describe_error(exc)}.") from exc
 
 
 def _resolve(
@@ -162,11 +162,12 @@ def _remote_errors(url: str, action: str) -> Iterator[None]:
         elif isinstance(exc, ValueError) and unknown:
             reason = f"fsspec knows no storage protocol {unknown[0]!r} (a typo in the URL?)"
         else:
-            reason = _describe(exc)
+            reason = describe_error(exc)
         raise StorageError(f"Cannot {action} {url}: {reason}.") from exc
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """A short reason for a failed read or write, for a StorageError's message."""
     if isinstance(exc, FileNotFoundError):
         return "not found"
     if isinstance(exc, PermissionError):

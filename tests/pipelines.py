@@ -66,18 +66,21 @@ class RandomCounter(SavableDataset[dict[str, Any]]):
 
 
 class SkippingCounter(RandomCounter):
-    """A RandomCounter with an exact ``skip``: items draw randomness, so skip must too."""
+    """A RandomCounter with an exact ``skip``: items draw randomness, so skip must too. It
+    returns how many items it passed; at the end of the epoch it moves to the next one."""
 
     def __init__(self, n: int) -> None:
         super().__init__(n)
         self.skipped = 0
 
-    def skip(self, n: int) -> None:
+    def skip(self, n: int) -> int:
         iterator = iter(self)
-        for _ in range(n):
+        for passed in range(n):
             if next(iterator, None) is None:
-                return
+                self.skipped += passed
+                return passed
         self.skipped += n
+        return n
 
 
 class Squares(Dataset[dict[str, Any]]):

@@ -13,9 +13,9 @@ import torch
 from stage_harness import check_stage
 
 from savable_loader import ConfigError, SavableDataLoader, StateError, WorkerContext, rng
+from savable_loader.datasets import Cursor, Stage
 from savable_loader.datasets.blend import Blend
 from savable_loader.datasets.indexed import IndexedDataset
-from savable_loader.datasets.stage import Cursor, Stage
 
 slow = pytest.mark.slow
 WORKERS = [0, pytest.param(3, marks=slow)]

@@ -390,16 +390,9 @@ def test_a_malformed_consumed_record_is_refused():
         moved = loader.reshard(states, rank=0)
     worker = moved.workers[0]
     assert worker.checkpoint is not None
-    import msgpack
-
-    state = msgpack.unpackb(worker.checkpoint.dataset_state)
-    inner = state["parent"]["parent"]
-    inner["done"] = [inner["done_below"]]  # below is by definition not consumed
-    broken = worker.checkpoint.model_copy(
-        update={"dataset_state": msgpack.packb(state, use_bin_type=True)}
-    )
     plain = moved.to_plain()
-    plain["workers"][0]["checkpoint"]["dataset_state"] = broken.dataset_state
+    inner = plain["workers"][0]["checkpoint"]["state"]["parent"]["parent"]["parent"]
+    inner["done"] = [inner["done_below"]]  # below is by definition not consumed
     with _loader(indexed, 3) as loader:
         loader.restore_state_rank(plain)
         with pytest.raises(StateError, match="done_below"):
@@ -526,7 +519,7 @@ def test_a_replay_that_raises_during_the_reshard_is_a_state_error():
     assert state.workers[0].replay > 0  # the checkpoint stands before the item that raises
     with (
         _loader(build, 2) as loader,
-        pytest.raises(StateError, match=r"replaying \d+ item\(s\) of rank 0 worker 0") as info,
+        pytest.raises(StateError, match=r"replaying \d+ batch\(es\) of rank 0 worker 0") as info,
     ):
         loader.restore_state_rank(state)
     assert isinstance(info.value.__cause__, ValueError)

@@ -22,9 +22,9 @@ import msgpack
 import pytest
 
 from savable_loader import StateError, WorkerContext
-from savable_loader.datasets._shards import ShardedSource
 from savable_loader.datasets.elastic import OldStream, ReshardPlan
 from savable_loader.datasets.jsonl import JsonLinesSource
+from savable_loader.datasets.sharded import ShardedSource
 from savable_loader.datasets.tar import TarSource
 
 JSONL_LENGTHS = [7, 3, 12, 1, 9, 4, 6, 2]  # lines per file

@@ -25,6 +25,7 @@ import pytest
 from savable_loader import StateFormatError, load_state
 from savable_loader.serialization import HEADER_SIZE, dumps, loads
 from savable_loader.state.files import decode_state
+from savable_loader.state.models import FORMAT_VERSION
 from savable_loader.testing import digest
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -183,11 +184,36 @@ def test_golden_state_with_a_newer_state_format_fails_with_a_version_error(name)
     payload = loads(GOLDENS[name].path.read_bytes())
     assert isinstance(payload, dict)
     states = [payload["state"]] if payload["kind"] == "rank" else payload["states"]
+    newer = FORMAT_VERSION + 1
     for state in states:
-        state["format_version"] = 2
-    with pytest.raises(StateFormatError, match="format_version 2 is newer than 1") as info:
+        state["format_version"] = newer
+    with pytest.raises(
+        StateFormatError, match=f"format_version {newer} is newer than {FORMAT_VERSION}"
+    ) as info:
         decode_state(dumps(payload))
     assert "upgrade savable_loader" in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDENS))
+def test_format_1_states_are_migrated_on_load(name):
+    """A format-1 file loads as the current format; its pipeline state is the dataset's
+    state under the batching stage, with the checkpoint's exhausted flag moved there."""
+    payload = loads(GOLDENS[name].path.read_bytes())
+    assert isinstance(payload, dict)
+    raw = [payload["state"]] if payload["kind"] == "rank" else payload["states"]
+    for old, new in zip(raw, _states(name), strict=True):
+        assert (old["format_version"], new.format_version) == (1, FORMAT_VERSION)
+        for old_worker, new_worker in zip(old["workers"], new.workers, strict=True):
+            old_checkpoint, checkpoint = old_worker["checkpoint"], new_worker.checkpoint
+            if old_checkpoint is None:
+                assert checkpoint is None
+                continue
+            assert checkpoint is not None
+            assert checkpoint.seq == old_checkpoint["seq"]
+            assert checkpoint.state == {
+                "parent": msgpack.unpackb(old_checkpoint["dataset_state"], raw=False),
+                "exhausted": old_checkpoint["exhausted"],
+            }
 
 
 def test_golden_files_are_state_files():

@@ -13,9 +13,9 @@ from savable_loader.datasets import IndexedDataset
 
 
 def _shard(data, rank, world, worker, workers, batch, **kwargs):
-    dataset = IndexedDataset(data, **kwargs)
-    dataset.setup(WorkerContext(rank, world, worker, workers, 0, batch))
-    return dataset
+    return IndexedDataset(data, **kwargs).cursor(
+        WorkerContext(rank, world, worker, workers, 0, batch)
+    )
 
 
 @given(
@@ -32,9 +32,10 @@ def test_shards_partition_every_epoch(n, world, workers, batch, shuffle):
         for rank in range(world):
             for worker in range(max(workers, 1)):
                 shard = _shard(data, rank, world, worker, workers, batch, shuffle=shuffle, seed=3)
-                shard.restore_state({"epoch": epoch, "pos": 0})
+                shard.restore({"epoch": epoch, "pos": 0})
+                length = shard.shard_length
                 items = list(shard)
-                assert len(items) == len(shard)
+                assert len(items) == length
                 seen += items
         assert sorted(seen) == data
 
@@ -42,7 +43,7 @@ def test_shards_partition_every_epoch(n, world, workers, batch, shuffle):
 def test_iteration_ends_the_epoch_and_moves_to_the_next():
     shard = _shard(list(range(5)), 0, 1, 0, 0, None, shuffle=True, seed=1)
     first = list(shard)
-    assert shard.save_state() == {"epoch": 1, "pos": 0}
+    assert shard.state() == {"epoch": 1, "pos": 0}
     second = list(shard)
     assert sorted(first) == sorted(second) == list(range(5))
     assert first != second or len(first) < 2
@@ -53,24 +54,25 @@ def test_skip_is_exact(deterministic):
     data = Squares(20)
     torch.manual_seed(0)
     reference = _shard(data, 0, 1, 0, 0, None, deterministic_items=deterministic)
-    iterator = iter(reference)
     for _ in range(7):
-        next(iterator)
-    after = next(iterator)
+        next(reference)
+    after = next(reference)
     torch.manual_seed(0)
     skipper = _shard(data, 0, 1, 0, 0, None, deterministic_items=deterministic)
-    skipper.skip(7)
-    assert skipper.save_state() == {"epoch": 0, "pos": 7}
-    got = next(iter(skipper))
+    assert skipper.skip(7) == 7
+    assert skipper.state() == {"epoch": 0, "pos": 7}
+    got = next(skipper)
     assert got["index"] == after["index"]
     if not deterministic:  # skipped items were fetched: torch's generator advanced alike
         assert torch.equal(got["noise"], after["noise"])
-    skipper.skip(100)
-    assert skipper.save_state() == {"epoch": 0, "pos": 20}
+    assert skipper.skip(12) == 12  # to the end of the epoch, not past it
+    assert skipper.state() == {"epoch": 0, "pos": 20}
+    assert skipper.skip(100) == 0  # the epoch ends: the next one begins, as reading does
+    assert skipper.state() == {"epoch": 1, "pos": 0}
 
 
 def test_bad_state_is_refused():
-    shard = IndexedDataset([1, 2, 3])
+    shard = IndexedDataset([1, 2, 3]).cursor(WorkerContext(0, 1, 0, 0, 0, None))
     for bad in ({"epoch": -1, "pos": 0}, {"pos": 0}, [0, 0], {"epoch": 0, "pos": "1"}):
         with pytest.raises(StateError):
-            shard.restore_state(bad)
+            shard.restore(bad)

@@ -61,9 +61,13 @@ def test_datasets_all_is_sorted_and_pinned():
         "SavableDataset",
         "Shuffle",
         "Stage",
+        "StageState",
         "StatefulDataset",
         "TarSource",
         "TokenSource",
+        "Transform",
+        "TransformCursor",
+        "as_stage",
         "from_stateful",
     ]
     for name in datasets.__all__:

@@ -174,15 +174,18 @@ def test_inexact_state_of_a_plain_object_needs_replay():
         _check(lambda: from_stateful(_ReadAhead(17)), num_workers=0)
 
 
+CONTEXT = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, seed=0, batch_size=None)
+
+
 def test_each_worker_sets_its_own_hugging_face_epoch():
-    dataset = from_stateful(_hf())
-    original = dataset.obj
-    dataset.setup(
+    stage = from_stateful(_hf())
+    original = stage.obj
+    cursor = stage.cursor(
         WorkerContext(rank=0, world_size=1, worker_id=1, num_workers=3, seed=0, batch_size=2)
     )
-    dataset.obj.set_epoch(4)
-    assert dataset.obj is not original
-    assert (dataset.obj.epoch, original.epoch) == (4, 0)
+    cursor.obj.set_epoch(4)
+    assert cursor.obj is not original
+    assert (cursor.obj.epoch, original.epoch) == (4, 0)
 
 
 def test_auto_mode():
@@ -216,19 +219,19 @@ def test_config_errors():
 )
 def test_malformed_state(state):
     with pytest.raises(StateError, match="from_stateful"):
-        from_stateful(_hf(shuffle=True)).restore_state(state)
+        from_stateful(_hf(shuffle=True)).cursor(CONTEXT).restore(state)
 
 
 def test_state_the_object_refuses():
     with pytest.raises(StateError, match="refused the saved state"):
-        from_stateful(_node()).restore_state(
+        from_stateful(_node()).cursor(CONTEXT).restore(
             {"resume": "state", "epoch": 0, "obj": {}, "consumed": 0}
         )
 
 
 def test_replay_past_the_end():
-    dataset = from_stateful(StatefulCounter(4), resume="replay")
-    state = dataset.save_state()
-    dataset.restore_state({**state, "consumed": 9})
+    cursor = from_stateful(StatefulCounter(4), resume="replay").cursor(CONTEXT)
+    state = cursor.state()
+    cursor.restore({**state, "consumed": 9})
     with pytest.raises(StateError, match="ended after 4 of the 9 items"):
-        next(iter(dataset))
+        next(cursor)

@@ -8,9 +8,11 @@ state. When an iteration ends (an epoch), the dataset moves its own state to the
 of the next epoch, so the next ``iter()`` begins that epoch. ``config()`` says what
 identifies the pipeline (it feeds the fingerprint a restore checks). Two optional hooks:
 ``setup(context)`` tells the dataset its rank and worker before it is restored, and
-``skip(n)`` advances by ``n`` items (or to the end of the epoch) faster than iterating;
-``skip`` must leave the dataset exactly as iterating would have, including any draws its
-items make from the global generators, or not be defined at all.
+``skip(n)`` passes ``n`` items faster than iterating and returns how many it passed
+(fewer when the epoch ended: the dataset then stands at its next epoch, NOTE [ A
+dataset's skip ] in ``adapt.py``); ``skip`` must leave the dataset exactly as iterating
+would have, including any draws its items make from the global generators, or not be
+defined at all.
 """
 
 from __future__ import annotations

@@ -41,7 +41,9 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
-from .stage import Cursor, Stage, StageState, as_stage, validate_state
+from .adapt import as_stage
+from .cursor import Cursor, StageState
+from .stage import Stage, fluent
 
 __all__ = ["Blend"]
 
@@ -53,15 +55,15 @@ _BLOCK = 256
 
 
 class _State(StageState):
-    """A Blend's position; ``sources`` holds each source's own state, by position."""
+    """What a Blend adds to its sources' states (which sit in ``sources``, by position)."""
 
-    sources: list[Any] = Field(description="Each source's state, in the sources' order.")
     epoch: int = Field(ge=0, description="The Blend's epoch.")
     position: int = Field(ge=0, description="Items the Blend emitted in this epoch.")
     exhausted: list[bool] = Field(description="Which sources ended this epoch (all_exhausted).")
     weights: list[float] = Field(description="The weights the state was saved with.")
 
 
+@fluent("blend")
 class Blend(Stage[T]):
     """Mixes ``sources``: each item comes from a source drawn with ``weights``.
 
@@ -130,6 +132,10 @@ class Blend(Stage[T]):
         sources = ", ".join(source.describe() for source in self.sources)
         return f"Blend([{sources}], weights={self.weights}{stop})"
 
+    @property
+    def children(self) -> tuple[Stage[Any], ...]:
+        return tuple(self.sources)
+
     def cursor(self, context: WorkerContext) -> Cursor[T]:
         return _BlendCursor(self, context)
 
@@ -150,10 +156,13 @@ def _weights(weights: Sequence[float], count: int) -> list[float]:
 
 
 class _BlendCursor(Cursor[T]):
+    State = _State
+    stage_name = "Blend"
+
     def __init__(self, stage: Blend[T], context: WorkerContext) -> None:
-        super().__init__(context)
+        super().__init__(context, *(source.cursor(context) for source in stage.sources))
         self.stage = stage
-        self.sources = [source.cursor(context) for source in stage.sources]
+        self.sources = self.parents
         self.weights = list(stage.weights)
         self._reset(epoch=0)
         self._uniforms: tuple[int, int, list[float]] = (-1, -1, [])
@@ -217,39 +226,33 @@ class _BlendCursor(Cursor[T]):
                 return index
         return live[-1][0] if live else None
 
-    def state(self) -> dict[str, Any]:
+    def own_state(self) -> dict[str, Any]:
         return {
-            "sources": [source.state() for source in self.sources],
             "epoch": self.epoch,
             "position": self.position,
             "exhausted": list(self.exhausted),
             "weights": list(self.weights),
         }
 
-    def restore(self, state: Any | None) -> None:
-        if state is None:
-            for source in self.sources:
-                source.restore(None)
+    def restore_own(self, state: Any | None) -> None:
+        if not isinstance(state, _State):
             self._reset(epoch=0)
             return
-        saved = validate_state(_State, state, "Blend")
         count = len(self.sources)
-        for field in ("sources", "exhausted", "weights"):
-            if len(getattr(saved, field)) != count:
+        for field in ("exhausted", "weights"):
+            if len(getattr(state, field)) != count:
                 raise StateError(
-                    f"Blend: the state's {field} has {len(getattr(saved, field))} entries but "
+                    f"Blend: the state's {field} has {len(getattr(state, field))} entries but "
                     f"this Blend has {count} sources; restore a state saved by the same pipeline"
                 )
-        if saved.weights != self.weights and not self.stage.allow_weight_change:
+        if state.weights != self.weights and not self.stage.allow_weight_change:
             raise StateError(
-                f"Blend: the state was saved with weights {saved.weights} but this Blend has "
+                f"Blend: the state was saved with weights {state.weights} but this Blend has "
                 f"weights {self.weights}; pass allow_weight_change=True to apply the new "
                 "weights from the restored position on"
             )
-        for source, source_state in zip(self.sources, saved.sources, strict=True):
-            source.restore(source_state)
-        self.epoch, self.position = saved.epoch, saved.position
-        self.exhausted = list(saved.exhausted)
+        self.epoch, self.position = state.epoch, state.position
+        self.exhausted = list(state.exhausted)
 
     def end_epoch(self) -> None:
         if self.stage.stop == "never":

@@ -10,7 +10,7 @@ state, and the new stream's context. A transform answers from its parent's answe
 (``plan.parents()``) plus what it adds; a source works out which of the epoch's items
 the old streams consumed and lays the rest out over the new streams
 (NOTE [ Elastic indexed order ] in ``indexed.py``, NOTE [ Elastic file order ] in
-``_shards.py``). Every new stream computes its answer alone from the same plan, so the
+``file_rest.py``). Every new stream computes its answer alone from the same plan, so the
 streams agree without talking to each other.
 
 A stage whose state ties it to the worker that saved it (a shuffle buffer, a blend's

@@ -7,15 +7,18 @@ from typing import Any, TypeVar
 
 from ..config import WorkerContext
 from ..errors import ConfigError
+from .cursor import Cursor, TransformCursor
 from .elastic import ReshardPlan
 from .map import qualname
-from .stage import Cursor, Transform, TransformCursor
+from .stage import fluent
+from .transform import Transform
 
 __all__ = ["Filter"]
 
 T = TypeVar("T")
 
 
+@fluent("filter")
 class Filter(Transform[T]):
     """Keeps the items of ``source`` for which ``predicate(item)`` is true.
 

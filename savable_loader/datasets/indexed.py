@@ -35,8 +35,9 @@ from pydantic import Field
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import derive_seed
+from .cursor import Cursor, StageState, validate_state
 from .elastic import ReshardPlan
-from .stage import Cursor, Stage, StageState, validate_state
+from .stage import Stage
 
 __all__ = ["IndexedDataset"]
 
@@ -127,12 +128,15 @@ class IndexedDataset(Stage[T]):
         return reshard_indexed(self, plan)
 
     def __len__(self) -> int:
-        """Items in this worker's shard of an epoch."""
-        return IndexedCursor(self, self._context).shard_length
+        """Items in an epoch (of every rank and worker together)."""
+        return len(self.data)
 
 
 class IndexedCursor(Cursor[T]):
     """Reads an :class:`IndexedDataset` for one rank and worker."""
+
+    State = _State
+    stage_name = "IndexedDataset"
 
     def __init__(self, stage: IndexedDataset[T], context: WorkerContext) -> None:
         super().__init__(context)
@@ -160,14 +164,14 @@ class IndexedCursor(Cursor[T]):
         self.pos = pos + 1
         return self.stage.data[index]
 
-    def state(self) -> dict[str, Any]:
+    def own_state(self) -> dict[str, Any]:
         if self.done is None:
             return {"epoch": self.epoch, "pos": self.pos}
         below, done = self.done
         return {"epoch": self.epoch, "pos": self.pos, "done_below": below, "done": done.tolist()}
 
-    def restore(self, state: Any | None) -> None:
-        position = _State(epoch=0, pos=0) if state is None else _parse(state)
+    def restore_own(self, state: Any | None) -> None:
+        position = state if isinstance(state, _State) else _State(epoch=0, pos=0)
         self.epoch, self.pos = position.epoch, position.pos
         self.done = _done(position, len(self.stage.data))
         self._order = (-1, None)
@@ -182,15 +186,16 @@ class IndexedCursor(Cursor[T]):
         self.pos = 0
         self.done = None
 
-    def can_skip(self) -> bool:
-        return True
-
-    def skip(self, n: int) -> None:
-        stop = min(self.pos + n, self.shard_length)
+    def skip_fast(self, n: int) -> int:
+        length = self.shard_length
+        stop = min(self.pos + n, length)
         if not self.stage.deterministic_items:
             for pos in range(self.pos, stop):
                 self.stage.data[self.index(pos)]
-        self.pos = stop
+        passed, self.pos = stop - self.pos, stop
+        if passed < n:
+            self.end_epoch()
+        return passed
 
     def index(self, pos: int) -> int:
         """The dataset index at position ``pos`` of this worker's shard in this epoch."""
@@ -330,6 +335,20 @@ def shard_length(length: int, context: WorkerContext) -> int:
     if mine and (blocks - 1) % workers == context.worker_id:
         result -= blocks * block - rank_length
     return result
+
+
+def rank_batches(length: int, contexts: list[WorkerContext], *, drop_last: bool) -> int:
+    """Batches a rank yields in an epoch of ``length`` items over its workers'
+    ``contexts`` (items when ``batch_size`` is None), as with torch's ``DataLoader``."""
+    total = 0
+    for context in contexts:
+        items = shard_length(length, context)
+        batch = context.batch_size
+        if batch is None:
+            total += items
+        else:
+            total += items // batch if drop_last else -(-items // batch)
+    return total
 
 
 def global_position(pos: Any, context: WorkerContext) -> Any:

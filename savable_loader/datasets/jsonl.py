@@ -2,7 +2,7 @@
 
 NOTE [ JSON lines position ]
 A stream's position is the file it reads (``shard``, an index into its own list of
-the epoch, NOTE [ Shard listing and assignment ] in ``_shards.py``), the lines already
+the epoch, NOTE [ Shard listing and assignment ] in ``sharded.py``), the lines already
 read in that file (``line``, blank ones included) and the byte offset of the next line
 in the decompressed file (``offset``). Restoring opens the file and seeks to
 ``offset``: the lines before it are never read again in Python (a compressed file is
@@ -27,7 +27,7 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
-from ._shards import ShardCursor, ShardedSource, ShardState, storage_errors
+from .sharded import ShardCursor, ShardedSource, ShardState, storage_errors
 
 __all__ = ["JsonLinesSource"]
 
@@ -64,9 +64,9 @@ class JsonLinesSource(ShardedSource[Any]):
         workers or ranks, the resumed epoch's state also holds ``done_below``, ``done``
         and ``started`` (``[place, offset, line]`` entries): the files finished and
         begun before it, whose rest this stream shares with the others (NOTE [ Elastic
-        file order ] in ``_shards.py``). Restore opens the file and seeks to the offset;
+        file order ] in ``file_rest.py``). Restore opens the file and seeks to the offset;
         nothing is replayed beyond what the loader's checkpoint policy replays.
-        ``can_skip()`` is False: reading is the replay.
+        ``skip`` reads: reading is the replay.
     """
 
     position_fields = ("offset", "line")

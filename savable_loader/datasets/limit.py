@@ -13,13 +13,14 @@ stands (NOTE [ Ending an endless epoch ] in ``repeat.py``), so ``.repeat().limit
 cuts one endless stream into consecutive epochs of ``k`` items.
 
 NOTE [ Skipping a limit ]
-``skip(k)`` passes ``m = min(k, n - count)`` items of the parent. When the parent's epoch
-is shorter, reading would have passed fewer, and ``count`` must say how many, so the
-parent is asked through a counted skip (NOTE [ Counted skips ] in ``_skips.py``). A
-parent that can skip but not count (a user's dataset with ``skip``) is assumed to have
-passed all ``m``: the state then shows a larger ``count`` than reading would, but the
-stream is the same, since from the end of the parent's epoch both ``next()`` paths move
-the parent to its next epoch, reset ``count`` and raise StopIteration.
+``skip(k)`` passes ``m = min(k, n - count)`` items through the parent's ``skip``, which
+says how many it passed (NOTE [ The cursor contract ] in ``cursor.py``). Fewer than
+``m`` means the parent's epoch ended, and so did the limited one. Otherwise, if ``k`` is
+more than ``m``, reading would have reached the limit and ended the epoch, so the skip
+ends it too. A user's dataset whose ``skip`` cannot tell where its epoch ended reports
+all ``m``: ``count`` may then be larger than reading would make it, but the stream is the
+same, since from the end of the parent's epoch both paths move the parent to its next
+epoch, reset ``count`` and end the limited epoch.
 
 NOTE [ Elastic limit ]
 On a restore onto another layout (NOTE [ Elastic resume ] in ``elastic.py``), what the
@@ -42,15 +43,17 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
-from ._skips import counts_skips, skip_counted
+from .cursor import Cursor, StageState, TransformCursor, validate_state
 from .elastic import ReshardPlan
-from .stage import Cursor, StageState, Transform, TransformCursor, validate_state
+from .stage import fluent
+from .transform import Transform
 
 __all__ = ["Limit"]
 
 T = TypeVar("T")
 
 
+@fluent("limit")
 class Limit(Transform[T]):
     """Yields the first ``n`` items of every epoch of ``source`` (NOTE [ Limit epochs ]).
 
@@ -165,19 +168,14 @@ class _LimitCursor(TransformCursor[T]):
         self.parent.end_epoch()
         self.count, self.quota = 0, None
 
-    def can_skip(self) -> bool:
-        return self.parent.can_skip()
-
-    def counts_skips(self) -> bool:
-        return counts_skips(self.parent)
-
-    def skip(self, n: int) -> None:
-        self.skip_counted(n)
-
-    def skip_counted(self, n: int) -> int:
-        """Skips like :meth:`skip`; returns the items passed (NOTE [ Skipping a limit ])."""
+    def skip_fast(self, n: int) -> int:
+        """Skips through the parent (NOTE [ Skipping a limit ])."""
         wanted = max(0, min(n, self.limit - self.count))
-        passed = skip_counted(self.parent, wanted)
-        passed = wanted if passed is None else passed
+        passed = self.parent.skip(wanted)
+        if passed < wanted:
+            self.count, self.quota = 0, None
+            return passed
         self.count += passed
+        if passed < n:
+            self.end_epoch()
         return passed

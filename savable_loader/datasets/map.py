@@ -21,8 +21,10 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
+from .cursor import Cursor, StageState, TransformCursor
 from .elastic import ReshardPlan
-from .stage import Cursor, StageState, Transform, TransformCursor
+from .stage import fluent
+from .transform import Transform
 
 __all__ = ["Map"]
 
@@ -32,6 +34,7 @@ U = TypeVar("U")
 _ITEM_PURPOSE = 0x3A9
 
 
+@fluent("map")
 class Map(Transform[U]):
     """Applies ``fn`` to every item of ``source``.
 

@@ -19,15 +19,12 @@ where it stands and the next endless epoch continues the same stream. ``.repeat(
 is therefore one endless stream cut into epochs of ``k`` items.
 
 NOTE [ Skipping a repeat ]
-``skip(k)`` passes items of the source's epoch by a counted skip (NOTE [ Counted skips ]
-in ``_skips.py``); if more are to be skipped, it crosses to the next source epoch with
-``end_epoch()`` (at the end of an epoch that is what the StopIteration of ``next()`` does)
-and counts the pass, until ``k`` items are passed or the last pass stands at its end.
-Reading would stop right after the last item, before crossing into passes that turn out
-empty, so when the epoch runs out the skip returns to that point (the parent's state,
-taken before the first crossing without items since, is restored).
-It is offered only when the parent can skip and count, so it matches reading exactly,
-state included; otherwise the loader replays by reading.
+``skip(k)`` passes items through the source's ``skip``, which says how many it passed
+(NOTE [ The cursor contract ] in ``cursor.py``). Fewer than asked means the source's
+epoch ended and the source stands at its next one, exactly as after the StopIteration
+that reading meets there: the pass is counted as reading counts it, and the skip goes on
+in the next pass, until ``k`` items are passed or the last pass ends (then the Repeat
+epoch has ended too, as reading past its last item would end it).
 """
 
 from __future__ import annotations
@@ -38,14 +35,16 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
-from ._skips import counts_skips, skip_counted
-from .stage import Cursor, StageState, Transform, TransformCursor
+from .cursor import Cursor, StageState, TransformCursor
+from .stage import fluent
+from .transform import Transform
 
 __all__ = ["Repeat"]
 
 T = TypeVar("T")
 
 
+@fluent("repeat")
 class Repeat(Transform[T]):
     """Reads ``times`` epochs of ``source`` as one epoch (NOTE [ Repeat epochs ]).
 
@@ -62,8 +61,8 @@ class Repeat(Transform[T]):
     State:
         ``{"parent": ..., "passes": p}``: the parent's state and ``p``, the source epochs
         completed in this Repeat epoch. Restore is O(1) on top of the parent's and
-        replays nothing; ``skip`` crosses source epochs exactly when the parent can
-        skip and count (NOTE [ Skipping a repeat ]), and the loader reads otherwise.
+        replays nothing; ``skip`` crosses source epochs through the source's own ``skip``
+        (NOTE [ Skipping a repeat ]).
     """
 
     elastic_reason = "its passes count one worker's passes over its own shard"
@@ -150,34 +149,17 @@ class _RepeatCursor(TransformCursor[T]):
             self._fresh = True
         self.passes = 0
 
-    def can_skip(self) -> bool:
-        return self.parent.can_skip() and counts_skips(self.parent)
-
-    def counts_skips(self) -> bool:
-        return counts_skips(self.parent)
-
-    def skip(self, n: int) -> None:
-        self.skip_counted(n)
-
-    def skip_counted(self, n: int) -> int:
-        """Skips like :meth:`skip`; returns the items passed (NOTE [ Skipping a repeat ])."""
-        if not counts_skips(self.parent):
-            raise NotImplementedError("Repeat: the source cannot count its skips; read instead")
+    def skip_fast(self, n: int) -> int:
+        """Skips through the source, pass by pass (NOTE [ Skipping a repeat ])."""
         total = 0
-        mark: tuple[Any, int, bool] | None = None  # where reading would have stopped
-        while True:
-            passed = skip_counted(self.parent, n - total) or 0
-            if passed:
-                self._fresh, mark = False, None
+        while total < n:
+            wanted = n - total
+            passed = self.parent.skip(wanted)
             total += passed
-            if total >= n:
-                return total
-            if self.times is not None and self.passes == self.times - 1:
-                if mark is not None:
-                    self.parent.restore(mark[0])
-                    self.passes, self._fresh = mark[1], mark[2]
-                return total
-            if mark is None:
-                mark = (self.parent.state(), self.passes, self._fresh)
-            self.parent.end_epoch()
-            self._finish_pass()
+            if passed:
+                self._fresh = False
+            if passed == wanted:
+                break
+            if self._finish_pass():
+                break
+        return total

@@ -34,7 +34,9 @@ from .. import rng
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..state.models import RngState
-from .stage import Cursor, StageState, Transform, validate_state
+from .cursor import Cursor, StageState, TransformCursor
+from .stage import fluent
+from .transform import Transform
 
 __all__ = ["Shuffle"]
 
@@ -54,6 +56,7 @@ class _State(StageState):
     )
 
 
+@fluent("shuffle")
 class Shuffle(Transform[T]):
     """Shuffles ``source`` window by window (NOTE [ Window shuffle ]).
 
@@ -108,10 +111,12 @@ class Shuffle(Transform[T]):
         return _ShuffleCursor(self, self.source.cursor(context), context)
 
 
-class _ShuffleCursor(Cursor[T]):
+class _ShuffleCursor(TransformCursor[T]):
+    State = _State
+    stage_name = "Shuffle"
+
     def __init__(self, stage: Shuffle[T], parent: Cursor[T], context: WorkerContext) -> None:
-        super().__init__(context)
-        self.parent = parent
+        super().__init__(parent, context)
         self.buffer_size = stage.buffer_size
         self.seed = stage.seed
         self._reset(epoch=0)
@@ -171,58 +176,52 @@ class _ShuffleCursor(Cursor[T]):
         restore point ]); the parent already stands at the restore point."""
         self._pending = False
         start = self._rng
-        if isinstance(start, RngState):
-            start = rng.RngSnapshot.from_state(start)
-        outer = rng.capture()
-        try:
-            if start is not None:
-                rng.apply(start)
+        if start is None:
             self._read()
-        finally:
-            rng.apply(outer)
+        else:
+            if isinstance(start, RngState):
+                start = rng.RngSnapshot.from_state(start)
+            with rng.OwnGenerators(start):
+                self._read()
         if self.emitted > len(self._items):
             raise StateError(
                 f"Shuffle: the restored window {self.window} has {len(self._items)} items "
                 f"but {self.emitted} were emitted; the parent does not reproduce its stream"
             )
 
-    def state(self) -> dict[str, Any]:
+    def parent_states(self) -> list[Any]:
         if self._start is None:
-            parent = self.parent.state()
-            return {"parent": parent, "epoch": self.epoch, "window": 0, "emitted": 0, "rng": None}
+            return [self.parent.state()]
+        return [copy.deepcopy(self._start)]
+
+    def own_state(self) -> dict[str, Any]:
+        if self._start is None:
+            return {"epoch": self.epoch, "window": 0, "emitted": 0, "rng": None}
         if isinstance(self._rng, rng.RngSnapshot):
             self._rng = self._rng.to_state()
         return {
-            "parent": copy.deepcopy(self._start),
             "epoch": self.epoch,
             "window": self.window,
             "emitted": self.emitted,
             "rng": None if self._rng is None else self._rng.model_dump(),
         }
 
-    def restore(self, state: Any | None) -> None:
-        if state is None:
-            self.parent.restore(None)
+    def restore_own(self, state: Any | None) -> None:
+        if not isinstance(state, _State):
             self._reset(epoch=0)
             return
-        if not isinstance(state, dict) or "parent" not in state:
-            raise StateError(
-                f"Shuffle: malformed state (expected a dict with a 'parent' entry, got "
-                f"{type(state).__name__}); restore a state saved by the same pipeline"
-            )
-        own = validate_state(_State, {k: v for k, v in state.items() if k != "parent"}, "Shuffle")
-        if own.rng is None and (own.window or own.emitted):
+        if state.rng is None and (state.window or state.emitted):
             raise StateError("Shuffle: malformed state (a window without its generators)")
-        if own.emitted > self.buffer_size:
+        if state.emitted > self.buffer_size:
             raise StateError(
-                f"Shuffle: the state emitted {own.emitted} items of a window but buffer_size "
+                f"Shuffle: the state emitted {state.emitted} items of a window but buffer_size "
                 f"is {self.buffer_size}; restore with the buffer_size it was saved with"
             )
-        self.parent.restore(copy.deepcopy(state["parent"]))
-        self._reset(epoch=own.epoch)
-        if own.rng is not None:
-            self._start = copy.deepcopy(state["parent"])
-            self.window, self.emitted, self._rng = own.window, own.emitted, own.rng
+        self._reset(epoch=state.epoch)
+        if state.rng is not None:
+            # The parent was just restored to the window's start: that is the restore point.
+            self._start = self.parent.state()
+            self.window, self.emitted, self._rng = state.window, state.emitted, state.rng
             self._pending = True
 
     def end_epoch(self) -> None:

@@ -39,24 +39,23 @@ import copy
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from .. import rng
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
-from .base import SavableDataset
+from .cursor import Cursor, StageState
+from .stage import Stage
 
 __all__ = ["StatefulDataset", "from_stateful", "is_stateful"]
 
-T_co = TypeVar("T_co", covariant=True)
+T = TypeVar("T")
 Resume = Literal["auto", "state", "replay"]
 _STREAM_PURPOSE = 0x57A7E
 
 
-class _State(BaseModel):
+class _State(StageState):
     """The adapter's state (see the ``State:`` section of :class:`StatefulDataset`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     resume: Literal["state", "replay"]
     epoch: int = Field(ge=0)
@@ -64,14 +63,15 @@ class _State(BaseModel):
     consumed: int = Field(ge=0)
 
 
-class StatefulDataset(SavableDataset[T_co]):
+class StatefulDataset(Stage[T]):
     """A savable view of an iterable that saves its own position.
 
     Args:
         obj: A Hugging Face ``datasets.IterableDataset``, a torchdata node
             (``torchdata.nodes.BaseNode``: ``state_dict()`` and ``reset(state)``) or any
             iterable with ``state_dict()`` and ``load_state_dict()``. It shards itself
-            over workers, as with torch's ``DataLoader``.
+            over workers, as with torch's ``DataLoader``; its cursor reads this object
+            itself (NOTE [ A dataset is its own position ] in ``adapt.py``).
         resume: "state", "replay" or "auto" (NOTE [ Two resume modes ]).
 
     Raises:
@@ -86,9 +86,9 @@ class StatefulDataset(SavableDataset[T_co]):
 
     def __init__(self, obj: Any, *, resume: Resume = "auto") -> None:
         self.obj: Any = obj
-        self._node = _has_base(obj, "torchdata.nodes", "BaseNode")
-        self._hf = _has_base(obj, "datasets.iterable_dataset", "IterableDataset")
-        loads = self._node or callable(getattr(obj, "load_state_dict", None))
+        self.node = _has_base(obj, "torchdata.nodes", "BaseNode")
+        self.hf = _has_base(obj, "datasets.iterable_dataset", "IterableDataset")
+        loads = self.node or callable(getattr(obj, "load_state_dict", None))
         if not (loads and callable(getattr(obj, "state_dict", None)) and isinstance(obj, Iterable)):
             raise ConfigError(
                 f"{type(obj).__name__} is not an iterable with state_dict() and load_state_dict()"
@@ -96,75 +96,81 @@ class StatefulDataset(SavableDataset[T_co]):
         if resume not in ("auto", "state", "replay"):
             raise ConfigError(f"resume must be 'auto', 'state' or 'replay', got {resume!r}")
         if resume == "auto":
-            resume = "replay" if self._hf and _hf_may_shuffle(obj) else "state"
+            resume = "replay" if self.hf and _hf_may_shuffle(obj) else "state"
         self.resume: Literal["state", "replay"] = resume
-        self._keys = (0, 0, 0)
-        self._stream: rng.RngSnapshot | None = None
-        self._iterator: Iterator[T_co] | None = None
-        self._initial = None if self._node else copy.deepcopy(self.obj.state_dict())
-        self._restart(self._initial, epoch=0, load=False)
+        #: The object's state at construction: where epoch 0 starts (None for a node,
+        #: which starts from reset()).
+        self.initial = None if self.node else copy.deepcopy(self.obj.state_dict())
 
     def config(self) -> dict[str, Any]:
         return {"type": "StatefulDataset", "of": type(self.obj).__qualname__, "resume": self.resume}
 
-    def setup(self, context: WorkerContext) -> None:
-        self._keys = (context.seed, context.rank, context.worker_id)
-        if self._hf and context.num_workers > 0:
-            self.obj = copy.deepcopy(self.obj)  # NOTE [ Epochs of the adapted objects ]
+    def describe(self) -> str:
+        return f"from_stateful({type(self.obj).__name__}, resume={self.resume!r})"
 
-    def save_state(self) -> dict[str, Any]:
-        live = self.resume == "state" and self._iterator is not None
+    def cursor(self, context: WorkerContext) -> Cursor[T]:
+        return _StatefulCursor(self, context)
+
+
+class _StatefulCursor(Cursor[T]):
+    State = _State
+    stage_name = "from_stateful"
+
+    def __init__(self, stage: StatefulDataset[T], context: WorkerContext) -> None:
+        super().__init__(context)
+        self.stage = stage
+        self.obj: Any = stage.obj
+        if stage.hf and context.num_workers > 0:
+            self.obj = copy.deepcopy(stage.obj)  # NOTE [ Epochs of the adapted objects ]
+        self._keys = (context.seed, context.rank, context.worker_id)
+        self._generators: rng.OwnGenerators | None = None
+        self._iterator: Iterator[T] | None = None
+        self._restart(stage.initial, epoch=0, load=False)
+
+    def __next__(self) -> T:
+        iterator = self._iterator or self._open()
+        item = self._read(iterator)
+        if item is not _END:
+            self._consumed += 1
+            return item  # type: ignore[no-any-return]
+        if self.stage.node:
+            self.obj.reset()
+        self._restart(self.obj.state_dict(), epoch=self._epoch + 1, load=False)
+        raise StopIteration
+
+    def own_state(self) -> dict[str, Any]:
+        live = self.stage.resume == "state" and self._iterator is not None
         return {
-            "resume": self.resume,
+            "resume": self.stage.resume,
             "epoch": self._epoch,
             "obj": self.obj.state_dict() if live else self._resting,
-            "consumed": self._consumed if self.resume == "replay" else 0,
+            "consumed": self._consumed if self.stage.resume == "replay" else 0,
         }
 
-    def restore_state(self, state: Any | None) -> None:
+    def restore_own(self, state: Any | None) -> None:
         """Returns to ``state`` (None: the object's state at construction, epoch 0).
 
         Raises:
-            StateError: ``state`` is malformed, was saved in the other mode, or the
-                object refuses it.
+            StateError: ``state`` was saved in the other mode, or the object refuses it.
         """
-        if state is None:
-            self._restart(self._initial, epoch=0)
+        if not isinstance(state, _State):
+            self._restart(self.stage.initial, epoch=0)
             return
-        try:
-            saved = _State.model_validate(state)
-        except ValidationError as error:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'state'}: {e['msg']}"
-                for e in error.errors()
-            )
+        if state.resume != self.stage.resume:
             raise StateError(
-                f"from_stateful: malformed state ({problems}); restore a state saved by the "
-                "same pipeline"
-            ) from None
-        if saved.resume != self.resume:
-            raise StateError(
-                f"from_stateful: the state was saved with resume={saved.resume!r}, this "
-                f"adapter resumes with {self.resume!r}; build it with resume={saved.resume!r}"
+                f"from_stateful: the state was saved with resume={state.resume!r}, this "
+                f"adapter resumes with {self.stage.resume!r}; build it with "
+                f"resume={state.resume!r}"
             )
-        self._restart(saved.obj, epoch=saved.epoch)
-        self._consumed = saved.consumed
-
-    def __iter__(self) -> Iterator[T_co]:
-        iterator = self._iterator or self._open()
-        while (item := self._read(iterator)) is not _END:
-            self._consumed += 1
-            yield item
-        if self._node:
-            self.obj.reset()
-        self._restart(self.obj.state_dict(), epoch=self._epoch + 1, load=False)
+        self._restart(state.obj, epoch=state.epoch)
+        self._consumed = state.consumed
 
     def _restart(self, obj_state: Any, *, epoch: int, load: bool = True) -> None:
         """Stands at ``obj_state``, not opened; ``load`` gives the object a copy to edit."""
         self._resting = copy.deepcopy(obj_state)
         if load:
             try:
-                if self._node:
+                if self.stage.node:
                     self.obj.reset(copy.deepcopy(obj_state))
                 else:
                     self.obj.load_state_dict(copy.deepcopy(obj_state))
@@ -174,19 +180,17 @@ class StatefulDataset(SavableDataset[T_co]):
                     f"({type(error).__name__}: {error}); restore a state of the same pipeline"
                 ) from error
         self._epoch, self._consumed = epoch, 0
-        self._iterator = self._stream = None
+        self._iterator = self._generators = None
 
-    def _open(self) -> Iterator[T_co]:
+    def _open(self) -> Iterator[T]:
         """Starts the epoch's iteration; in replay mode, reads ``consumed`` items again."""
         set_epoch = getattr(self.obj, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self._epoch)
-        if self.resume == "replay":
-            outer = rng.capture()
-            rng.seed_globals(rng.derive_seed(*self._keys, _STREAM_PURPOSE, self._epoch))
-            self._stream = rng.capture()
-            rng.apply(outer)
-        iterator: Iterator[T_co] = self._read(self.obj, first=True)
+        if self.stage.resume == "replay":
+            seed = rng.derive_seed(*self._keys, _STREAM_PURPOSE, self._epoch)
+            self._generators = rng.OwnGenerators.seeded(seed)
+        iterator: Iterator[T] = self._read(self.obj, first=True)
         self._iterator = iterator
         for read in range(self._consumed):
             if self._read(iterator) is _END:
@@ -198,17 +202,13 @@ class StatefulDataset(SavableDataset[T_co]):
 
     def _read(self, source: Any, *, first: bool = False) -> Any:
         """``iter(source)`` if ``first`` else the next item or _END, under the object's
-        own generators in replay mode (NOTE [ The object's own generators ... ])."""
-        stream = self._stream
-        if stream is None:
+        own generators in replay mode (NOTE [ The object's own generators in replay
+        mode ])."""
+        generators = self._generators
+        if generators is None:
             return iter(source) if first else next(source, _END)
-        outer = rng.capture()
-        rng.apply(stream)
-        try:
+        with generators:
             return iter(source) if first else next(source, _END)
-        finally:
-            self._stream = rng.capture()
-            rng.apply(outer)
 
 
 _END: Any = object()
@@ -228,7 +228,8 @@ def _has_base(obj: Any, module: str, name: str) -> bool:
 
 
 def _hf_may_shuffle(obj: Any) -> bool:
-    """Whether a Hugging Face dataset shuffles through a buffer (NOTE [ Finding a ... ])."""
+    """Whether a Hugging Face dataset shuffles through a buffer (NOTE [ Finding a Hugging
+    Face shuffle buffer ])."""
     root = getattr(obj, "_ex_iterable", None)
     stack = [root]
     while root is not None and stack:
@@ -241,7 +242,7 @@ def _hf_may_shuffle(obj: Any) -> bool:
 
 
 def from_stateful(obj: Any, *, resume: Resume = "auto") -> StatefulDataset[Any]:
-    """Wraps ``obj`` as a savable dataset that resumes exactly.
+    """Wraps ``obj`` as a savable stage that resumes exactly.
 
     Args:
         obj: A Hugging Face ``IterableDataset``, a torchdata node, or any iterable with
@@ -251,7 +252,7 @@ def from_stateful(obj: Any, *, resume: Resume = "auto") -> StatefulDataset[Any]:
             Face dataset with a shuffle buffer, state otherwise).
 
     Returns:
-        The adapter, a :class:`StatefulDataset`.
+        The adapter, a :class:`StatefulDataset` stage.
 
     Raises:
         ConfigError: ``obj`` cannot save and load its position, or ``resume`` is unknown.

@@ -8,7 +8,7 @@ first dot, the extension everything after that dot (``a/b/0001.seg.png`` has key
 sample, ``{"__key__": key, "__url__": url, ext: bytes, ...}``. Members that are not
 regular files, or whose base name has no key or no extension (``.hidden``, ``README``),
 are passed over, as WebDataset does. Shards are listed, sorted and shared out over ranks
-and workers as NOTE [ Shard listing and assignment ] in ``_shards.py`` says.
+and workers as NOTE [ Shard listing and assignment ] in ``sharded.py`` says.
 
 NOTE [ Tar position ]
 The position is the file (``shard``, an index into this stream's list of the epoch)
@@ -32,7 +32,7 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
-from ._shards import ShardCursor, ShardedSource, ShardState, storage_errors
+from .sharded import ShardCursor, ShardedSource, ShardState, storage_errors
 
 __all__ = ["TarSource"]
 
@@ -71,8 +71,8 @@ class TarSource(ShardedSource[dict[str, Any]]):
         ranks, the resumed epoch's state also holds ``done_below``, ``done`` and
         ``started`` (``[place, offset]`` entries): the shards finished and begun before
         it, whose rest this stream shares with the others (NOTE [ Elastic file order ]
-        in ``_shards.py``). Restore seeks there and reads on; nothing is replayed beyond
-        what the loader's checkpoint policy replays. ``can_skip()`` is False.
+        in ``file_rest.py``). Restore seeks there and reads on; nothing is replayed beyond
+        what the loader's checkpoint policy replays; ``skip`` reads.
     """
 
     State = _State
@@ -157,11 +157,11 @@ class TarCursor(ShardCursor[dict[str, Any]]):
             data = self._tar.extractfile(member) if self._tar is not None else None
             return data.read() if data is not None else b""
 
-    def close(self) -> None:
+    def close_own(self) -> None:
         tar, self._tar, self._pending = self._tar, None, None
         if tar is not None:
             tar.close()
-        super().close()
+        super().close_own()
 
 
 def _split(name: str) -> tuple[str, str]:

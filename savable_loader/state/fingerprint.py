@@ -1,4 +1,12 @@
-"""A stable hash of what identifies a pipeline and the loader arguments shaping its stream."""
+"""A stable hash of what identifies a pipeline and the loader arguments shaping its stream.
+
+NOTE [ Pipeline fingerprint ]
+A state carries the fingerprint of the loader that saved it: a hash of the pipeline's
+``config()`` tree (each stage's, nested) plus the loader arguments that shape the stream
+(batch size, ``drop_last``, seed, number of workers, the ``collate_fn``'s name). A
+restore refuses a state saved under another fingerprint, naming both, so that a state
+never silently continues another pipeline.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,14 @@ state with a wrong type fails at the door with pydantic's field path instead of 
 inside a worker. Serialisation (msgpack, file header) lives in
 :mod:`savable_loader.serialization`; these models only convert to and from plain data.
 
+NOTE [ State format versions ]
+Format 2 keeps a checkpoint's pipeline state as plain data inside the state (checked like
+the rest of the file, ``plain.py``), where format 1 kept the dataset's state as msgpack
+bytes and the end of a batching epoch as a separate ``exhausted`` flag; batching is now a
+stage of the pipeline (NOTE [ Batching is a stage ] in ``datasets/batch.py``), so that
+flag is part of its state. A format-1 state is migrated on load (``migrate.py``) and
+restores exactly as before; it is never refused for its version.
+
 NOTE [ Sequence numbers ]
 Each worker numbers the *events* it produces: one per batch (an "item" of the loader)
 and one per end of epoch. ``delivered`` counts the events the loader handed on (end
@@ -30,10 +38,13 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
 from ..errors import StateFormatError
+from ..plain import find_non_plain
+from .migrate import migrate
 
 __all__ = [
     "FORMAT_VERSION",
@@ -43,10 +54,10 @@ __all__ = [
     "WorkerState",
 ]
 
-#: Version of the state layout below. Bumped on any incompatible change to the models.
-FORMAT_VERSION = 1
+#: Version of the state layout below. Bumped on any incompatible change to the models;
+#: older versions are migrated on load (NOTE [ State format versions ]).
+FORMAT_VERSION = 2
 
-_MAX_DATASET_STATE = 64 * 1024 * 1024
 _MAX_WORKERS = 4096
 
 NonNegative = Annotated[StrictInt, Field(ge=0)]
@@ -83,17 +94,23 @@ class Checkpoint(_Model):
 
     Attributes:
         seq: Sequence number of the next event (see NOTE [ Sequence numbers ]).
-        exhausted: The dataset's iteration for this epoch already ended (reading ahead to
-            fill the last, incomplete batch) and the next event is the end of the epoch;
-            ``dataset_state`` then already points at the next epoch.
-        dataset_state: The dataset's ``save_state()``, msgpack-encoded.
+        state: The state of the worker's pipeline, batching included (its cursor tree's
+            ``state()``, NOTE [ The cursor contract ] in ``datasets/cursor.py``), as plain
+            data.
         rng: The worker's global generators.
     """
 
     seq: NonNegative
-    exhausted: StrictBool
-    dataset_state: Annotated[StrictBytes, Field(max_length=_MAX_DATASET_STATE)]
+    state: Any
     rng: RngState
+
+    @field_validator("state")
+    @classmethod
+    def _plain(cls, value: Any) -> Any:
+        problem = find_non_plain(value)
+        if problem is not None:
+            raise ValueError(f"the pipeline state is not plain data: {problem}")
+        return value
 
 
 class WorkerState(_Model):
@@ -209,7 +226,7 @@ class RankState(_Model):
                 "this savable_loader reads; upgrade savable_loader to restore it"
             )
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(migrate(data))
         except ValidationError as error:
             raise StateFormatError(f"invalid loader state: {error}") from None
 

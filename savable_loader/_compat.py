@@ -1,0 +1,197 @@
+"""Whether a saved state fits a loader, and which state a rank restores.
+
+Shared by ``SavableDataLoader.restore_state_rank`` and the collectives of
+``distributed.py``: both check a state against the loader's
+:class:`~savable_loader._elastic.Layout` before any worker starts (STYLE point 7), and
+both take a rank's own state from the list of one save, resharded when the save comes
+from another number of ranks or workers (NOTE [ Elastic resume ] in
+``datasets/elastic.py``).
+
+NOTE [ state_dict for checkpoints ]
+``torch.distributed.checkpoint`` loads in place: it asks a fresh loader for its
+``state_dict()`` and fills the same keys from the checkpoint, so the key structure must
+not depend on where the stream is (a worker's checkpoint is None before it starts).
+It also keeps one copy of a non-tensor value per key across ranks, so ranks must not
+share a key. Hence one key per data-parallel rank holding the encoded state as bytes:
+ranks with the same data-parallel rank (tensor-parallel peers) yield the same stream, so
+one copy of their states serves them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ._elastic import reshard
+from ._layout import Layout
+from .errors import StateFormatError, StateMismatchError
+from .state.files import decode_state
+from .state.models import RankState, one_save
+
+__all__ = [
+    "check_compatible",
+    "own_state",
+    "saved_on_layout",
+    "state_from_dict",
+    "state_key",
+    "states_for_layout",
+]
+
+_MAX_COUNTER = 2**63 - 1
+
+SavedStates = RankState | dict[str, Any] | Sequence[RankState | dict[str, Any]]
+
+
+def own_state(state: SavedStates, layout: Layout, *, approximate: bool) -> RankState:
+    """This rank's state from ``state`` (one rank's, or the list of one save), resharded
+    if it was saved on another layout.
+
+    Raises:
+        StateError: ``state`` is malformed or cannot move onto this layout.
+    """
+    if isinstance(state, (RankState, dict)):
+        single = RankState.from_plain(state)
+        if single.world_size != 1 or (1, single.num_workers) == (
+            layout.world_size,
+            layout.num_workers,
+        ):
+            return single
+        states = [single]
+    elif isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+        states = one_save(state)
+    else:
+        raise StateFormatError(
+            "restore_state_rank takes a state, a list of every rank's state, or None; "
+            f"got {type(state).__name__}"
+        )
+    if saved_on_layout(states, layout):
+        return states[layout.rank]
+    return reshard(states, layout, layout.rank, approximate=approximate)
+
+
+def state_key(rank: int) -> str:
+    """The key of a rank's entry in ``SavableDataLoader.state_dict()``."""
+    return f"rank_{rank}"
+
+
+def state_from_dict(state_dict: Any, layout: Layout) -> RankState:
+    """This rank's state from what ``state_dict()`` returned (or a plain ``RankState``
+    dict).
+
+    Raises:
+        StateError: The dict is malformed or holds no entry for this rank.
+    """
+    if not isinstance(state_dict, dict):
+        raise StateFormatError(
+            f"load_state_dict takes the dict state_dict() returned, got {type(state_dict).__name__}"
+        )
+    if "format_version" in state_dict or state_dict.keys() & RankState.model_fields.keys():
+        return RankState.from_plain(state_dict)
+    key = state_key(layout.rank)
+    if key not in state_dict:
+        saved = sorted(k for k in state_dict if isinstance(k, str) and k.startswith("rank_"))
+        raise StateMismatchError(
+            f"cannot restore: the state holds {saved or 'no rank entries'} and this loader "
+            f"is rank {layout.rank} of {layout.world_size}; restore each rank from a "
+            "checkpoint saved with the same number of ranks"
+        )
+    state = decode_state(state_dict[key])
+    if not isinstance(state, RankState):
+        raise StateFormatError(
+            f"the entry {key!r} holds a list of rank states; pass such a list to "
+            "restore_state_global()"
+        )
+    return state
+
+
+def states_for_layout(
+    states: Sequence[RankState], layout: Layout, *, approximate: bool
+) -> list[RankState]:
+    """Every rank's state of ``layout`` from one save (as ``one_save()`` checked it)."""
+    if saved_on_layout(states, layout):
+        return list(states)
+    return [
+        reshard(states, layout, rank, approximate=approximate) for rank in range(layout.world_size)
+    ]
+
+
+def saved_on_layout(states: Sequence[RankState], layout: Layout) -> bool:
+    """Whether one save's states come from ``layout``'s number of ranks and workers, so
+    that no reshard is needed."""
+    return len(states) == layout.world_size and all(
+        state.num_workers == layout.num_workers for state in states
+    )
+
+
+def check_compatible(state: RankState, layout: Layout) -> None:
+    """Refuses a state this loader cannot continue, naming the field, both values and
+    the fix.
+
+    Raises:
+        StateFormatError: A counter no run can reach (a hand-edited or corrupted state).
+        StateMismatchError: The state was saved by another pipeline or loader.
+    """
+    _check_plausible(state)
+    checks = [
+        (
+            "world_size",
+            state.world_size,
+            layout.world_size,
+            "restore the list of every rank's state (restore_state_global) to reshard it",
+        ),
+        ("rank", state.rank, layout.rank, "restore each rank's own state"),
+        (
+            "num_workers",
+            state.num_workers,
+            layout.num_workers,
+            f"build the loader with num_workers={state.num_workers}, or restore the list "
+            "of every rank's state to reshard it onto this layout",
+        ),
+        (
+            "batch_size",
+            state.batch_size,
+            layout.batch_size,
+            f"build the loader with batch_size={state.batch_size}",
+        ),
+        ("seed", state.seed, layout.seed, f"build the loader with seed={state.seed}"),
+    ]
+    for name, saved, current, fix in checks:
+        if saved != current:
+            raise StateMismatchError(
+                f"cannot restore: {name} was {saved} when the state was saved and is "
+                f"{current} now; {fix}"
+            )
+    if state.fingerprint != layout.fingerprint:
+        raise StateMismatchError(
+            f"cannot restore: the pipeline fingerprint was {state.fingerprint} when the "
+            f"state was saved and is {layout.fingerprint} now; the dataset's config() or "
+            "the loader arguments drop_last / collate_fn differ. Rebuild the pipeline "
+            "exactly as it was when the state was saved"
+        )
+
+
+def _check_plausible(state: RankState) -> None:
+    """Refuses counters no run can reach: a hand-edited or corrupted state.
+
+    Raises:
+        StateFormatError: A counter is beyond int64, or a worker without a checkpoint
+            (one that never started) claims to have delivered events.
+    """
+    counters = [("epoch", state.epoch)]
+    for worker in state.workers:
+        at = f"workers[{worker.worker_id}]"
+        counters.append((f"{at}.delivered", worker.delivered))
+        if worker.checkpoint is not None:
+            counters.append((f"{at}.checkpoint.seq", worker.checkpoint.seq))
+        elif worker.delivered or worker.ended:
+            raise StateFormatError(
+                f"invalid loader state: {at} has delivered={worker.delivered}, "
+                f"ended={worker.ended} but no checkpoint; a worker without a checkpoint never "
+                "started, so it delivered nothing. The state was edited or corrupted"
+            )
+    for name, value in counters:
+        if value > _MAX_COUNTER:
+            raise StateFormatError(
+                f"invalid loader state: {name} is {value}, beyond any run (at most 2**63-1); "
+                "the state was edited or corrupted"
+            )

@@ -1,0 +1,188 @@
+"""What a worker sends the loader: events, failures, and what it is doing now.
+
+NOTE [ Events ]
+Torch's ``DataLoader`` runs underneath with ``batch_size=None`` over the worker wrapper
+(``_worker.py``), which yields ``(worker_id, seq, kind, payload)`` tuples. ``kind`` is
+ITEM (a batch, collated in the worker), END (this worker's epoch ended; it still takes a
+turn in torch's round-robin, then the worker stops), PLACEHOLDER (one per worker before
+the saved next worker, in the first epoch after a restore; see NOTE [ Worker order ] in
+``_book.py``) or ERROR (the pipeline raised; see NOTE [ Pipeline errors ]). The loader
+drops END and PLACEHOLDER and counts the rest.
+
+NOTE [ Pipeline errors ]
+An exception raised by the pipeline (the dataset, a stage, collate, a restore or replay
+at start-up) does not escape the worker: it becomes one ERROR event carrying a
+:class:`Failure` (worker id, the sequence number being produced, the formatted traceback,
+the exception's type and plain arguments), and the worker's iteration ends. The event
+takes the failing item's turn in torch's round-robin, so when the loader sees it every
+earlier item was handed on and its bookkeeping stands exactly before the failing item.
+Letting the exception escape instead would leave torch to re-raise a copy that names no
+item, and would end the worker's iteration early, which the loader cannot tell apart
+from an end of epoch. The exception object itself never crosses processes (a user's
+exception type need not pickle); only its type's name and plain arguments do, and the
+runtime is marked failed so that no checkpoint is ever taken of the broken state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import DatasetError, SavableLoaderError
+
+__all__ = [
+    "END",
+    "ERROR",
+    "IDLE",
+    "ITEM",
+    "PLACEHOLDER",
+    "PRODUCING",
+    "STARTING",
+    "Event",
+    "Failure",
+    "Progress",
+]
+
+logger = logging.getLogger(__name__)
+
+ITEM, END, PLACEHOLDER, ERROR = 0, 1, 2, 3
+STARTING, PRODUCING, IDLE = "starting", "producing", "idle"
+_PLAIN_ARGS = (str, int, float, bool, bytes, type(None))
+
+Event = tuple[int, int, int, Any]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An exception the pipeline raised, in a form that crosses processes.
+
+    Attributes:
+        worker_id: The worker that raised (0 without workers).
+        seq: Sequence number of the event the worker was producing (starting: the one it
+            was to produce first).
+        starting: Raised while the worker started (restoring its checkpoint, replaying, or
+            beginning an epoch) rather than while producing event ``seq``.
+        type_module: Module of the exception's type.
+        type_name: Qualified name of the exception's type.
+        args: The exception's arguments when all are plain scalars, else its ``str``.
+        message: ``str()`` of the exception.
+        text: The formatted traceback, causes included.
+        error: The exception itself when it was raised in this process; None in a worker.
+    """
+
+    worker_id: int
+    seq: int
+    starting: bool
+    type_module: str
+    type_name: str
+    args: tuple[Any, ...]
+    message: str
+    text: str
+    error: BaseException | None = None
+
+    @classmethod
+    def of(
+        cls, error: Exception, worker_id: int, seq: int, *, starting: bool, in_main: bool
+    ) -> Failure:
+        kind = type(error)
+        args = error.args if all(isinstance(a, _PLAIN_ARGS) for a in error.args) else (str(error),)
+        return cls(
+            worker_id=worker_id,
+            seq=seq,
+            starting=starting,
+            type_module=kind.__module__,
+            type_name=kind.__qualname__,
+            args=tuple(args),
+            message=str(error),
+            text="".join(traceback.format_exception(error)),
+            error=error if in_main else None,
+        )
+
+    def event(self) -> Event:
+        """The ERROR event carrying this failure."""
+        return (self.worker_id, self.seq, ERROR, self)
+
+    def raised(self, *, in_worker: bool, epoch: int, lost: str | None) -> BaseException:
+        """The error the loader raises for this failure (NOTE [ Errors stop the stream ] in
+        ``loader.py``): a :class:`~savable_loader.DatasetError` naming the worker and the
+        item, chained from the original, or the library's own error type.
+
+        Args:
+            in_worker: The pipeline ran in a worker process (not the main process).
+            epoch: The loader's epoch.
+            lost: Why the loader lost its position, or None when it kept it.
+        """
+        original = self.exception()
+        where = f"worker {self.worker_id}" if in_worker else "the main process"
+        doing = (
+            f"starting (restoring its checkpoint and replaying up to item {self.seq})"
+            if self.starting
+            else f"producing item {self.seq}"
+        )
+        then = (
+            f"The loader cannot continue: {lost}."
+            if lost is not None
+            else "The loader stays just before that item: iterating again retries it, "
+            "save_state_rank() saves this position and restore_state_rank() moves to a "
+            "saved one."
+        )
+        message = (
+            f"{self.type_name}: {self.message} (raised in {where} while {doing}, epoch "
+            f"{epoch}). {then}"
+        )
+        if self.error is None:
+            message += f"\n\nTraceback in {where}:\n{self.text}"
+        error: BaseException = DatasetError(message, worker_id=self.worker_id, index=self.seq)
+        if isinstance(original, SavableLoaderError):
+            with contextlib.suppress(TypeError):  # a subclass with another constructor
+                error = type(original)(message)
+        error.__cause__ = original  # as ``raise error from original`` sets it
+        error.__suppress_context__ = True
+        return error
+
+    def exception(self) -> BaseException:
+        """Returns the exception: itself in the main process, else a copy of its type.
+
+        The copy is built from the type (looked up among modules already imported, never
+        importing one) and the plain arguments; a RuntimeError naming the type stands in
+        when that fails.
+        """
+        if self.error is not None:
+            return self.error
+        kind: Any = sys.modules.get(self.type_module)
+        for part in self.type_name.split("."):
+            kind = getattr(kind, part, None)
+        if isinstance(kind, type) and issubclass(kind, Exception):
+            try:
+                return kind(*self.args)
+            except Exception:  # a constructor with another signature
+                logger.debug("cannot rebuild %s%r", self.type_name, self.args)
+        return RuntimeError(f"{self.type_name}: {self.message}")
+
+
+class Progress:
+    """What a worker is doing, read by its command thread (NOTE [ Watchdog ] in
+    ``_stream.py``).
+
+    The phase is STARTING (restoring a checkpoint and replaying, up to the first event),
+    PRODUCING (item ``seq``) or IDLE (waiting for torch to ask for the next event). One
+    tuple is swapped in as a whole, so the command thread never reads a torn value.
+    """
+
+    __slots__ = ("_now",)
+
+    def __init__(self) -> None:
+        self._now: tuple[str, int, float] = (IDLE, 0, time.monotonic())
+
+    def enter(self, phase: str, seq: int) -> None:
+        self._now = (phase, seq, time.monotonic())
+
+    def report(self) -> dict[str, Any]:
+        """Returns the phase, the sequence number and the seconds spent in the phase."""
+        phase, seq, since = self._now
+        return {"phase": phase, "seq": seq, "for": time.monotonic() - since}

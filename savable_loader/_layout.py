@@ -1,0 +1,65 @@
+"""A loader as far as its states are concerned: its pipeline, what identifies it, and
+where it stands in the job."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .datasets.batch import Batch
+from .state.fingerprint import fingerprint
+
+__all__ = ["Layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a state is checked against and resharded for.
+
+    Attributes:
+        root: The loader's pipeline with its batching.
+        seed: The loader seed.
+        rank: This loader's rank.
+        world_size: Ranks of the job.
+        num_workers: Workers per rank.
+    """
+
+    root: Batch
+    seed: int
+    rank: int
+    world_size: int
+    num_workers: int
+
+    @property
+    def batch_size(self) -> int | None:
+        """Items per batch (None: no batching)."""
+        return self.root.batch_size
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The fingerprint a state of this loader carries (NOTE [ Pipeline fingerprint ]
+        in ``state/fingerprint.py``)."""
+        return self.fingerprint_for(self.num_workers)
+
+    def fingerprint_for(self, num_workers: int) -> str:
+        """The fingerprint of this pipeline and loader had it ``num_workers`` workers."""
+        root = self.root
+        collate = root.collate_fn
+        return fingerprint(
+            {
+                "dataset": root.source.config(),
+                "loader": {
+                    "batch_size": root.batch_size,
+                    "drop_last": root.drop_last,
+                    "seed": self.seed,
+                    "num_workers": num_workers,
+                    "collate_fn": None if collate is None else _qualname(collate),
+                },
+            }
+        )
+
+
+def _qualname(function: Callable[..., Any]) -> str:
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}"

@@ -1,0 +1,353 @@
+"""The one runtime that drives a pipeline's cursor tree: in every worker, in the main
+process without workers, and in an elastic restore that brings a saved stream up to date.
+
+NOTE [ The runtime ]
+A :class:`PipelineRuntime` builds the cursor tree of the loader's pipeline (batching
+included) for one worker, restores it from a checkpoint (the tree's state and the
+worker's global generators), replays the events the consumer had already received with
+the tree's ``skip`` (NOTE [ The cursor contract ] in ``datasets/cursor.py``), and then
+produces events (NOTE [ Events ] in ``_events.py``), taking checkpoints as NOTE
+[ Checkpoint policy ] in ``_ring.py`` says. The event numbering is NOTE [ Sequence
+numbers ] in ``state/models.py``. Without workers (NOTE [ No workers ])
+and in an elastic restore it runs under generators of its own (NOTE [ Own generators ] in
+``rng.py``), so the process's draws and the pipeline's never mix.
+
+NOTE [ No workers ]
+With ``num_workers=0`` the pipeline runs in the main process. Its generator states are
+kept apart from the training loop's and swapped in around each event (NOTE [ Own
+generators ] in ``rng.py``), so draws the training loop makes from ``random``,
+``numpy.random`` or torch between batches change nothing in the data stream, and a
+restore is exact without restoring the trainer's generators. A save captures the
+pipeline's state on the spot: there is no prefetch.
+
+NOTE [ Generators per epoch ]
+A worker's global generators (``random``, ``numpy.random``, torch) are seeded from
+``(seed, rank, worker id, epoch)`` for every epoch: at start-up for epoch 0, and right
+after a worker ends an epoch for the next one, before the checkpoint that follows the
+END, so a restore from that checkpoint starts the next epoch from the same seed. A
+worker restored between epochs seeds its generators again as the epoch begins, which
+changes nothing for its own states and gives states saved before this rule existed the
+same next epoch as a run today. An epoch's draws therefore depend only on the layout and
+the epoch, not on what earlier epochs drew, so after a restore onto another layout (NOTE
+[ Elastic resume ] in ``datasets/elastic.py``) the next epochs draw exactly what a fresh
+run on that layout draws. Epoch 0 keeps the seed it always had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from . import rng
+from ._commands import CommandChannel
+from ._events import END, IDLE, ITEM, PLACEHOLDER, PRODUCING, Event, Failure, Progress
+from ._ring import CheckpointRing, Entry
+from .config import WorkerContext
+from .datasets.stage import Stage
+from .errors import StateError, WorkerError
+from .plain import plain_copy
+from .state.models import Checkpoint, RngState
+
+__all__ = [
+    "PipelineRuntime",
+    "RuntimeSpec",
+    "WorkerStart",
+    "epoch_rng_state",
+    "epoch_seed",
+]
+
+logger = logging.getLogger(__name__)
+
+_SEED_PURPOSE = 0x5EED
+_END = object()
+
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """How one worker starts: from which checkpoint, to which position.
+
+    Attributes:
+        checkpoint: Checkpoint to restore, or None for the pipeline's initial state.
+        delivered: Sequence number the consumer wants next (replay up to it).
+        skip_epoch: The worker already ended the current epoch: produce nothing in it.
+        placeholder: Yield one placeholder first (worker order after a restore).
+        new_epoch: The worker starts at the beginning of an epoch (after a restore
+            between epochs): seed its generators for it (NOTE [ Generators per epoch ]).
+    """
+
+    checkpoint: Checkpoint | None = None
+    delivered: int = 0
+    skip_epoch: bool = False
+    placeholder: bool = False
+    new_epoch: bool = False
+
+
+@dataclass
+class RuntimeSpec:
+    """Everything a worker needs to run the pipeline; pickled into each worker.
+
+    Attributes:
+        root: The loader's pipeline with its batching (``datasets.batch.Batch``).
+        seed: The loader seed.
+        rank: This loader's rank.
+        world_size: Number of ranks.
+        num_workers: Worker processes (0: the pipeline runs in the main process).
+        batch_size: Items per batch (sources shard in blocks of it).
+        checkpoint_share: NOTE [ Checkpoint policy ] in ``_ring.py``.
+        max_lag: How many events the consumer can be behind a worker.
+        starts: How each worker starts; empty: every worker from the beginning.
+        epoch: The loader epoch the workers start in (NOTE [ Generators per epoch ]).
+        channel: The command channel, with workers.
+    """
+
+    root: Stage[Any]
+    seed: int
+    rank: int
+    world_size: int
+    num_workers: int
+    batch_size: int | None
+    checkpoint_share: float
+    max_lag: int
+    starts: tuple[WorkerStart, ...] = ()
+    epoch: int = 0
+    channel: CommandChannel | None = field(default=None)
+
+    def context(self, worker_id: int) -> WorkerContext:
+        """What worker ``worker_id``'s pipeline is told about where it runs."""
+        return WorkerContext(
+            rank=self.rank,
+            world_size=self.world_size,
+            worker_id=worker_id,
+            num_workers=self.num_workers,
+            seed=self.seed,
+            batch_size=self.batch_size,
+        )
+
+
+def epoch_seed(seed: int, rank: int, worker_id: int, epoch: int) -> int:
+    """The seed of a worker's global generators at the start of ``epoch``
+    (NOTE [ Generators per epoch ])."""
+    if epoch == 0:
+        return rng.derive_seed(seed, rank, worker_id, _SEED_PURPOSE)
+    return rng.derive_seed(seed, rank, worker_id, _SEED_PURPOSE, epoch)
+
+
+def epoch_rng_state(
+    seed: int, rank: int, worker_id: int, epoch: int, salt: int | None = None
+) -> RngState:
+    """The global generators' state :func:`epoch_seed` gives (with ``salt`` also in the
+    key: the rest of an epoch resumed on another layout), without touching this
+    process's generators."""
+    base = epoch_seed(seed, rank, worker_id, epoch)
+    generators = rng.OwnGenerators.seeded(base if salt is None else rng.derive_seed(base, salt))
+    return generators.snapshot.to_state()
+
+
+class PipelineRuntime:
+    """Drives one worker's cursor tree (NOTE [ The runtime ]).
+
+    Args:
+        spec: The loader's description of the pipeline and of every worker's start.
+        worker_id: This worker's id (0 without workers).
+        in_main: True when it runs in the main process (no workers, or an elastic
+            restore): the pipeline then runs under generators of its own.
+        progress: Where the worker reports what it is doing (NOTE [ Watchdog ]).
+
+    Raises:
+        StateError: The start asks for a position before its checkpoint.
+        Exception: Whatever the pipeline raises while it is restored.
+    """
+
+    def __init__(
+        self,
+        spec: RuntimeSpec,
+        worker_id: int,
+        *,
+        in_main: bool,
+        progress: Progress | None = None,
+    ) -> None:
+        self.spec = spec
+        self.worker_id = worker_id
+        self.in_main = in_main
+        self.progress = progress or Progress()
+        self.ring = CheckpointRing(max_lag=spec.max_lag, share=spec.checkpoint_share)
+        self.generators = rng.OwnGenerators(rng.capture()) if in_main else None
+        #: The pipeline raised (NOTE [ Pipeline errors ]): its state is no checkpoint.
+        self.failed = False
+        self.replayed = 0
+        self._first_epoch = True
+        start = spec.starts[worker_id] if spec.starts else WorkerStart()
+        self._start = start
+        self.root = spec.root.cursor(spec.context(worker_id))
+        checkpoint = start.checkpoint
+        self.seq = checkpoint.seq if checkpoint is not None else 0
+        #: The loader epoch of the last epoch() call; the first call is spec.epoch.
+        self._epoch = spec.epoch - 1
+        with self._scope():
+            if checkpoint is None:
+                self.root.restore(None)
+                rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, 0))
+            else:
+                self.root.restore(copy.deepcopy(checkpoint.state))
+                rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
+                self.ring.record(Entry(checkpoint.seq, checkpoint.state, checkpoint.rng))
+        # The ring holds a checkpoint before the command server reports ready. The first
+        # capture runs cold (first calls, caches), so a second one measures the cost.
+        self.ring.take(self._capture)
+        self.ring.forget_costs()
+        self.ring.take(self._capture)
+        if start.delivered < self.seq:
+            raise StateError(
+                f"worker {worker_id}: delivered {start.delivered} is before its checkpoint "
+                f"{self.seq}"
+            )
+        self._replay_target = start.delivered
+
+    def _scope(self) -> contextlib.AbstractContextManager[Any]:
+        """The pipeline's own generators in the main process; nothing in a worker."""
+        return self.generators if self.generators is not None else contextlib.nullcontext()
+
+    # -- events ---------------------------------------------------------------------
+
+    def epoch(self) -> Iterator[Event]:
+        """Starts an epoch: returns the generator of this worker's events for it."""
+        first, self._first_epoch = self._first_epoch, False
+        self._epoch += 1
+        if first and self._start.skip_epoch:
+            if self._replay_target != self.seq:
+                raise StateError(
+                    f"worker {self.worker_id} ended its epoch but would replay "
+                    f"{self._replay_target - self.seq} events"
+                )
+            self.progress.enter(IDLE, self.seq)
+            return iter(())
+        if first and self._start.new_epoch:
+            self._seed_epoch(self._epoch)
+        if first:
+            self.catch_up()
+        return self._run(placeholder=first and self._start.placeholder)
+
+    def catch_up(self) -> Any:
+        """Replays the events between the checkpoint and the consumer's position with the
+        tree's ``skip``; returns the tree's state there.
+
+        Raises:
+            StateError: The pipeline ended before the position: it does not reproduce
+                the stream it saved.
+        """
+        replay = self._replay_target - self.seq
+        if replay <= 0:
+            return self.root.state()
+        began = time.perf_counter()
+        with self._scope():
+            passed = self.root.skip(replay)
+        if passed < replay:
+            raise StateError(
+                f"worker {self.worker_id}: the pipeline ended after {passed} of the {replay} "
+                "batches to replay; it does not reproduce the stream it saved"
+            )
+        self.seq += replay
+        self.replayed += replay
+        logger.debug(
+            "worker %d replayed %d events in %.1f ms",
+            self.worker_id,
+            replay,
+            (time.perf_counter() - began) * 1e3,
+        )
+        self.ring.take(self._capture)
+        return self.root.state()
+
+    def _run(self, *, placeholder: bool) -> Iterator[Event]:
+        progress = self.progress
+        if placeholder:
+            progress.enter(IDLE, self.seq)
+            yield (self.worker_id, -1, PLACEHOLDER, None)
+        mark = time.perf_counter()
+        while True:
+            progress.enter(PRODUCING, self.seq)
+            try:
+                with self._scope():
+                    item = next(self.root, _END)
+            except Exception as error:
+                self.failed = True
+                progress.enter(IDLE, self.seq)
+                yield self.failure(error, starting=False)
+                return
+            progress.enter(IDLE, self.seq + 1)
+            now = time.perf_counter()
+            # Worker time since the previous event: producing this one, plus torch
+            # sending the previous one and waiting for this task.
+            elapsed, mark = now - mark, now
+            seq = self.seq
+            self.seq += 1
+            if item is _END:
+                self._seed_epoch(self._epoch + 1)
+                self.ring.take(self._capture)
+                yield (self.worker_id, seq, END, None)
+                return
+            if not self.in_main:
+                self.ring.maybe_take(elapsed, self._capture)
+            yield (self.worker_id, seq, ITEM, item)
+
+    def _seed_epoch(self, epoch: int) -> None:
+        """Seeds the pipeline's global generators for ``epoch`` (NOTE [ Generators per epoch ])."""
+        with self._scope():
+            rng.seed_globals(epoch_seed(self.spec.seed, self.spec.rank, self.worker_id, epoch))
+
+    def failure(self, error: Exception, *, starting: bool) -> Event:
+        """The ERROR event for ``error`` (NOTE [ Pipeline errors ])."""
+        failure = Failure.of(
+            error, self.worker_id, self.seq, starting=starting, in_main=self.in_main
+        )
+        return failure.event()
+
+    def close(self) -> None:
+        """Releases what the pipeline holds open (files)."""
+        self.root.close()
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def _capture(self) -> Entry:
+        snapshot = self.generators.snapshot if self.generators is not None else rng.capture()
+        return Entry(self.seq, plain_copy(self.root.state()), snapshot)
+
+    def checkpoint_for(self, delivered: int) -> Checkpoint:
+        """Returns the newest checkpoint at or before sequence number ``delivered``.
+
+        Raises:
+            WorkerError: ``delivered`` lies outside what the ring can answer.
+        """
+        if self.in_main and delivered == self.seq and not self.failed:
+            self.ring.take(self._capture)
+        entry, oldest = self.ring.find(delivered)
+        if entry is None or delivered > max(self.seq, self._replay_target):
+            raise WorkerError(
+                f"worker {self.worker_id} holds no checkpoint for position {delivered} "
+                f"(oldest kept: {oldest}, produced: {self.seq})"
+            )
+        return entry.to_checkpoint()
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for benchmarks and debugging."""
+        ring = self.ring.entries()
+        return {
+            "pid": os.getpid(),
+            "seq": self.seq,
+            "ring_entries": len(ring),
+            "checkpoint_cost_s": self.ring.cost,
+            "checkpoints_taken": self.ring.taken,
+            "replayed": self.replayed,
+            "checkpoint_bytes": (
+                len(msgpack.packb(ring[-1].to_checkpoint().model_dump(), use_bin_type=True))
+                if ring
+                else 0
+            ),
+        }

@@ -1,0 +1,306 @@
+"""One run of the pipeline's workers: torch's iterator, the command channel, the watchdog.
+
+A :class:`Stream` lives from the moment the loader starts its workers until it stops
+them (a restore, an error, ``close()``); with persistent workers it spans epochs, each
+epoch one torch iterator over the same workers. Without workers the pipeline runs in the
+main process and the stream is torch's single-process iterator.
+
+NOTE [ Watchdog ]
+Torch waits for a worker's next item forever with ``timeout=0``. To report a hung worker
+without breaking slow items, the stream gives torch's iterator a short timeout (the poll
+interval: at most one second, a quarter of ``command_timeout`` and of ``item_timeout``,
+and the user's ``timeout`` if smaller) and, each time it expires with no item, asks
+every worker's command thread for its progress: its phase (starting, producing item
+``seq``, idle) and the seconds spent in it. Then it asks torch again, which keeps waiting
+for the same item (pinned in ``tests/test_torch_compat.py``). A worker still starting
+(restoring its checkpoint and replaying) after ``command_timeout``, producing one item
+for longer than ``item_timeout`` (60 s by default; None: no limit, as torch), or not
+answering within ``command_timeout`` (a frozen process) is hung: :class:`Hang` names it,
+and the loader keeps its position when the workers can still tell it (NOTE [ Errors stop
+the stream ] in ``loader.py``), kills the hung workers (they would not see torch's
+shutdown request), stops the stream and raises :class:`~savable_loader.WorkerError`. The
+user's own ``timeout`` keeps torch's meaning: no item within that many seconds raises (a
+WorkerError, which is a RuntimeError). Items that arrive cost nothing more: the progress
+check runs only after a wait of one poll interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import _torch_compat
+from ._commands import CommandChannel, NoAnswerError
+from ._events import PRODUCING, STARTING, Event
+from ._worker import WorkerWrapper
+from .config import WorkerConfig
+from .errors import WorkerError
+from .state.models import Checkpoint
+
+__all__ = ["Hang", "Stream"]
+
+_DEATH_GRACE_SECONDS = 2.0
+_MAX_POLL_SECONDS = 1.0
+
+
+class Hang(WorkerError):
+    """Workers found hung by the watchdog (NOTE [ Watchdog ]).
+
+    Attributes:
+        workers: The hung workers.
+        answering: Every hung worker's command thread answers (it hangs in an item), so
+            the loader's position can still be asked for.
+    """
+
+    def __init__(self, message: str, *, workers: list[int], answering: bool) -> None:
+        super().__init__(message)
+        self.workers = workers
+        self.answering = answering
+
+    def stopped(self, lost: str | None) -> WorkerError:
+        """The error to raise once the loader stopped its workers after this hang;
+        ``lost`` says why the loader lost its position (None: it kept it)."""
+        then = (
+            f"the loader cannot continue: {lost}"
+            if lost is not None
+            else "the loader stays after the last item handed on: iterating again "
+            "restarts the workers there"
+        )
+        return WorkerError(f"{self}. The loader stopped its workers; {then}.")
+
+
+class Stream:
+    """The workers of one run and the ways to talk to them.
+
+    Args:
+        loader: The loader whose ``DataLoader.__iter__`` builds torch's iterators.
+        wrapper: What torch iterates (its spec says how every worker starts).
+        config: Timeouts and the rest of the loader's worker settings.
+    """
+
+    def __init__(self, loader: DataLoader[Any], wrapper: WorkerWrapper, config: WorkerConfig):
+        self.loader = loader
+        self.wrapper = wrapper
+        self.config = config
+        self.num_workers = loader.num_workers
+        #: The user's timeout (torch's meaning); torch's iterators get the poll interval.
+        self.timeout = loader.timeout
+        self.channel: CommandChannel | None = None
+        #: Torch's iterator for the current epoch raised StopIteration.
+        self.done = False
+        wrapper.runtime = None
+        if self.num_workers > 0:
+            context = loader.multiprocessing_context or torch.multiprocessing.get_context()
+            self.channel = CommandChannel(context, self.num_workers)
+        wrapper.spec.channel = self.channel
+        self.iterator: Any = None
+        self.iterator = self._torch_iterator(first=True)
+
+    def next_epoch(self) -> None:
+        """Starts the next epoch on the same workers (persistent workers)."""
+        self.iterator = self._torch_iterator(first=False)
+        self.done = False
+
+    def _torch_iterator(self, *, first: bool) -> Any:
+        """Torch's iterator, waiting at most a poll interval per try (NOTE [ Watchdog ])."""
+        if self.num_workers == 0:
+            return DataLoader.__iter__(self.loader)
+        loader = self.loader
+        # Torch reads the loader's timeout once, when it builds the iterator.
+        loader.timeout = self._poll_seconds()
+        try:
+            with _torch_compat.deferred_worker_death():
+                iterator = DataLoader.__iter__(loader)
+            _torch_compat.unblock_done_event(iterator)
+            return iterator
+        except RuntimeError as error:
+            # Torch's SIGCHLD handler: a worker died while torch started the workers.
+            if not first:  # a new epoch of the running workers: the loader reports it
+                raise
+            dead = _torch_compat.drop_unfinished_iterator(loader, error)
+            self.stop()
+            raise WorkerError(
+                f"worker(s) {dead} died while the workers started ({error}); the loader "
+                "stays where it was: iterating again starts the workers anew"
+            ) from error
+        finally:
+            loader.timeout = self.timeout
+
+    def _poll_seconds(self) -> float:
+        config = self.config
+        bounds = [_MAX_POLL_SECONDS, config.command_timeout / 4]
+        if config.item_timeout is not None:
+            bounds.append(config.item_timeout / 4)
+        if self.timeout > 0:
+            bounds.append(self.timeout)
+        return min(bounds)
+
+    # -- events -----------------------------------------------------------------------
+
+    def next_event(self) -> Event:
+        """The next event of torch's iterator; reports hung workers (NOTE [ Watchdog ]).
+
+        Raises:
+            StopIteration: The epoch's events are all out.
+            Hang: A worker hung.
+            WorkerError: No item arrived within the user's ``timeout``.
+        """
+        iterator = self.iterator
+        if self.num_workers == 0:
+            return cast(Event, next(iterator))
+        began = time.monotonic()
+        while True:
+            try:
+                return cast(Event, next(iterator))
+            except RuntimeError as error:
+                if not _torch_compat.is_timeout(error):
+                    raise
+            if self.timeout > 0 and time.monotonic() - began >= self.timeout:
+                raise WorkerError(
+                    f"DataLoader timed out after {self.timeout} seconds: no item arrived "
+                    "within the loader's timeout"
+                )
+            self._watch()
+
+    def _watch(self) -> None:
+        """Raises :class:`Hang` naming the workers stuck beyond their bounds."""
+        config = self.config
+        try:
+            answers = self._request("progress", [{} for _ in range(self.num_workers)])
+        except NoAnswerError as error:
+            raise Hang(str(error), workers=[error.worker_id], answering=False) from None
+        hung: list[int] = []
+        reasons: list[str] = []
+        answering = True
+        for worker_id, progress in enumerate(answers):
+            phase, seq, seconds = progress["phase"], progress["seq"], progress["for"]
+            if phase == STARTING and seconds > config.command_timeout:
+                answering = False
+                reasons.append(
+                    f"worker {worker_id} has been starting (restoring its checkpoint and "
+                    f"replaying) for {seconds:.1f} s, beyond WorkerConfig(command_timeout="
+                    f"{config.command_timeout:g})"
+                )
+            elif (
+                phase == PRODUCING
+                and config.item_timeout is not None
+                and seconds > config.item_timeout
+            ):
+                reasons.append(
+                    f"worker {worker_id} has been producing item {seq} for {seconds:.1f} s, "
+                    f"beyond WorkerConfig(item_timeout={config.item_timeout:g}); if its "
+                    "items legitimately take longer, raise item_timeout (None: no limit)"
+                )
+            else:
+                continue
+            hung.append(worker_id)
+        if hung:
+            raise Hang(
+                "; ".join(reasons) + "; it is hung or slower than allowed",
+                workers=hung,
+                answering=answering,
+            )
+
+    # -- commands ---------------------------------------------------------------------
+
+    def _request(self, name: str, arguments: Sequence[dict[str, Any]]) -> list[Any]:
+        if self.channel is None:
+            raise WorkerError(f"cannot send {name!r}: the stream has no command channel")
+        iterator = self.iterator
+        return self.channel.request(
+            name,
+            arguments,
+            timeout=self.config.command_timeout,
+            is_alive=lambda w: _torch_compat.worker_alive(iterator, w),
+        )
+
+    def checkpoints(self, delivered: Sequence[int]) -> list[Checkpoint]:
+        """Every worker's newest checkpoint at or before its ``delivered`` position.
+
+        Raises:
+            WorkerError: A worker is dead or did not answer within its command timeout.
+        """
+        if self.num_workers == 0:
+            runtime = self.wrapper.runtime
+            if runtime is None:
+                raise WorkerError("internal error: the pipeline has not started; please report")
+            return [runtime.checkpoint_for(delivered[0])]
+        answers = self._request("checkpoint", [{"delivered": d} for d in delivered])
+        return [Checkpoint.model_validate(answer) for answer in answers]
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every worker's figures (``PipelineRuntime.stats``)."""
+        if self.num_workers == 0:
+            runtime = self.wrapper.runtime
+            return [runtime.stats()] if runtime is not None else []
+        return [dict(answer) for answer in self._request("stats", [{}] * self.num_workers)]
+
+    @property
+    def started(self) -> bool:
+        """Whether the pipeline runs (without workers it starts on the first item)."""
+        return self.num_workers > 0 or self.wrapper.runtime is not None
+
+    # -- faults -----------------------------------------------------------------------
+
+    def dead_workers(self, error: BaseException | None = None) -> list[int]:
+        """The workers that died. Torch's SIGCHLD handler raises RuntimeError in the main
+        thread wherever it is when a worker dies, so ``error`` may come from any wait; a
+        broken connection can arrive before the dying worker can be reaped (the kernel
+        closes its files first), so such an error waits a moment for the death to show."""
+        if self.num_workers == 0:
+            return []
+        dead = self._dead()
+        if not dead and isinstance(error, (OSError, EOFError)):
+            deadline = time.monotonic() + _DEATH_GRACE_SECONDS
+            while not dead and time.monotonic() < deadline:
+                with contextlib.suppress(RuntimeError):  # torch's SIGCHLD handler: a death
+                    time.sleep(0.02)
+                dead = self._dead()
+        return dead
+
+    def _dead(self) -> list[int]:
+        count = _torch_compat.worker_count(self.iterator)
+        return [w for w in range(count) if not _torch_compat.worker_alive(self.iterator, w)]
+
+    def kill(self, workers: Sequence[int]) -> None:
+        """Kills ``workers`` and waits (bounded) until they are gone.
+
+        Torch's SIGCHLD handler raises RuntimeError in the main thread when a worker it
+        watches dies; that is expected here, so it is absorbed while waiting.
+        """
+        iterator = self.iterator
+        if not workers or self.num_workers == 0:
+            return
+        for worker_id in workers:
+            _torch_compat.kill_worker(iterator, worker_id)
+        _wait(lambda: not any(_torch_compat.worker_alive(iterator, w) for w in workers))
+
+    def stop(self) -> None:
+        """Stops the workers, closes the command channel and the pipeline. Idempotent."""
+        iterator, self.iterator = self.iterator, None
+        if iterator is not None and self.num_workers > 0:
+            pids = _torch_compat.worker_pids(iterator)
+            _torch_compat.drop_persistent_iterator(self.loader, iterator)
+            _torch_compat.remove_leaked_shared_memory(pids)
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+            self.wrapper.spec.channel = None
+        self.wrapper.close()
+
+
+def _wait(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + _DEATH_GRACE_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                time.sleep(0.05)  # torch's SIGCHLD handler runs here, if at all
+                return
+            time.sleep(0.02)
+        except RuntimeError:
+            continue

@@ -1,0 +1,74 @@
+"""Listing and opening the files of a file source, over fsspec.
+
+NOTE [ Listing files ]
+A file source takes paths, globs or fsspec URLs. Globs are expanded with fsspec when the
+stage is built, in the process that builds it, and the whole list is sorted, so every
+worker of every rank sees the same list. A glob matching nothing is a ``ConfigError``; a
+literal path is kept without a look-up, so a missing file shows when it is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ..errors import ConfigError, SavableLoaderError, StorageError
+from ..storage import describe_error
+
+__all__ = ["Urls", "expand_urls", "storage_errors"]
+
+_GLOB_CHARACTERS = frozenset("*?[")
+
+Urls = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, action: str = "read") -> Iterator[None]:
+    """Turns what fsspec, a backend or a decompressor raises into a StorageError."""
+    try:
+        yield
+    except SavableLoaderError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"Cannot {action} {url}: {describe_error(exc)}.") from exc
+
+
+def expand_urls(urls: Urls, storage_options: dict[str, Any], stage: str) -> tuple[str, ...]:
+    """Returns the sorted files that ``urls`` name (NOTE [ Listing files ]).
+
+    Raises:
+        ConfigError: ``urls`` is empty or a glob in it matches nothing.
+        StorageError: Listing failed.
+    """
+    given = [urls] if isinstance(urls, (str, os.PathLike)) else list(urls)
+    if not given:
+        raise ConfigError(f"{stage} needs at least one path, glob or URL")
+    found: set[str] = set()
+    for item in given:
+        url = os.fspath(item) if isinstance(item, (str, os.PathLike)) else item
+        if not isinstance(url, str):
+            raise ConfigError(f"{stage} takes paths or URLs as str, got {type(url).__name__}")
+        with storage_errors(url, "list"):
+            fs, path = fsspec.url_to_fs(url, **storage_options)
+            if "::" in url or not _GLOB_CHARACTERS.intersection(path):
+                found.add(url if "::" in url else _unstrip(fs, path))
+                continue
+            listing = fs.glob(path, detail=True)
+            matches = [
+                _unstrip(fs, match)
+                for match, info in listing.items()
+                if info.get("type") != "directory"
+            ]
+        if not matches:
+            raise ConfigError(f"{stage}: {url!r} matches no file")
+        found.update(matches)
+    return tuple(sorted(found))
+
+
+def _unstrip(fs: Any, path: str) -> str:
+    return path if isinstance(fs, LocalFileSystem) else str(fs.unstrip_protocol(path))

@@ -1,0 +1,35 @@
+"""The base of the stages that read one parent stage."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from .adapt import as_stage
+from .stage import Stage
+
+__all__ = ["Transform"]
+
+T = TypeVar("T")
+
+
+class Transform(Stage[T]):
+    """A stage reading one parent stage.
+
+    Args:
+        source: The parent: a stage, any :class:`~savable_loader.SavableDataset`, a
+            Stateful iterable or a map-style dataset (see ``as_stage``).
+    """
+
+    def __init__(self, source: Any) -> None:
+        self.source: Stage[Any] = as_stage(source)
+
+    @property
+    def children(self) -> tuple[Stage[Any], ...]:
+        return (self.source,)
+
+    def describe(self) -> str:
+        return f"{self.source.describe()}.{self.describe_own()}"
+
+    def describe_own(self) -> str:
+        """Describes this stage alone, as the fluent call that adds it."""
+        return f"{type(self).__name__.lower()}()"

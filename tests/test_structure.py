@@ -1,0 +1,132 @@
+"""The package's structure: no import circle, layers that import only downward, small
+modules, a loader class that reads in one sitting, NOTE references that resolve."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "savable_loader"
+MAX_MODULE_LINES = 500
+MAX_LOADER_CLASS_LINES = 450
+#: What the pipeline layer (``savable_loader.datasets``) may import from the package: the
+#: layers below it, never the loader and its runtime above.
+DATASETS_MAY_IMPORT = ("config", "errors", "plain", "rng", "state", "storage", "datasets")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> Iterator[str]:
+    """The package modules ``name`` imports, wherever the import statement sits."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("savable_loader"):
+                    yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            elif node.module and node.module.startswith("savable_loader"):
+                module = node.module
+            else:
+                continue
+            for alias in node.names:
+                candidate = f"{module}.{alias.name}"
+                yield candidate if candidate in MODULES else module
+
+
+GRAPH = {
+    name: sorted({target for target in _imports(name, path) if target != name})
+    for name, path in MODULES.items()
+}
+
+
+def test_every_import_names_a_module_of_the_package() -> None:
+    unknown = {(name, target) for name, targets in GRAPH.items() for target in targets}
+    unknown = {(name, target) for name, target in unknown if target not in MODULES}
+    assert not unknown
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    circles: list[list[str]] = []
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in GRAPH.get(module, []):
+            if state.get(target) == "open":
+                circles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in MODULES:
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_pipeline_layer_never_imports_the_loader() -> None:
+    allowed = tuple(f"savable_loader.{layer}" for layer in DATASETS_MAY_IMPORT)
+    upward = [
+        (name, target)
+        for name, targets in GRAPH.items()
+        if name.startswith("savable_loader.datasets")
+        for target in targets
+        if not target.startswith(allowed)
+    ]
+    assert not upward
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_are_small(name: str) -> None:
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{name} has {lines} lines"
+
+
+def test_the_loader_class_reads_in_one_sitting() -> None:
+    tree = ast.parse(MODULES["savable_loader.loader"].read_text())
+    (loader,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == "SavableDataLoader"
+    ]
+    assert loader.end_lineno is not None
+    length = loader.end_lineno - loader.lineno + 1
+    assert length <= MAX_LOADER_CLASS_LINES, f"SavableDataLoader has {length} lines"
+
+
+_NOTE = re.compile(r"NOTE \[ ([^\]]+?) \]", re.DOTALL)
+
+
+def test_every_note_reference_names_a_note() -> None:
+    """``NOTE [ X ]`` in prose must name a note defined somewhere (a line of its own)."""
+    defined: set[str] = set()
+    mentioned: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        text = path.read_text()
+        defined.update(
+            m.group(1) for m in re.finditer(r"^\s*NOTE \[ ([^\]]+?) \]\s*$", text, re.M)
+        )
+        for match in _NOTE.finditer(text):
+            mentioned.setdefault(" ".join(match.group(1).split()), set()).add(name)
+    dangling = {note: sorted(where) for note, where in mentioned.items() if note not in defined}
+    assert not dangling
