@@ -20,8 +20,9 @@ from savable_loader import (
     save_state,
     serialization,
 )
-from savable_loader._demo import AugmentedImages
-from savable_loader.cli import compare, main
+from savable_loader.cli import main
+from savable_loader.cli.demo import compare
+from savable_loader.cli.demo_child import AugmentedImages
 from savable_loader.state.models import FORMAT_VERSION
 
 OK_LINE = "OK: resumed stream identical to uninterrupted run"

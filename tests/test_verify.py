@@ -20,10 +20,10 @@ from savable_loader.cli import main
 from savable_loader.testing import (
     ResumeMismatch,
     VerifyReport,
-    _differences,
     assert_resumes_exactly,
     verify,
 )
+from savable_loader.testing.divergence import _differences
 
 HERE = Path(__file__).resolve()
 MODULE = HERE.stem  # pytest imports this file under its base name (rootdir/prepend mode)

@@ -1,7 +1,7 @@
 """The pipeline and the child processes behind ``savable-loader demo``.
 
 NOTE [ Demo ]
-``savable-loader demo`` (in :mod:`savable_loader.cli`) starts three processes that each
+``savable-loader demo`` (in :mod:`savable_loader.cli.demo`) starts three processes that each
 run :func:`run_child`, a small training loop over :class:`AugmentedImages`:
 
 - ``reference`` trains over every epoch without interruption and records a digest of
@@ -34,10 +34,10 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from .datasets.base import SavableDataset
-from .loader import SavableDataLoader
-from .state.files import load_state, save_state
-from .testing import digest
+from ..datasets.base import SavableDataset
+from ..loader import SavableDataLoader
+from ..state.files import load_state, save_state
+from ..testing import digest
 
 __all__ = [
     "BATCH_SIZE",

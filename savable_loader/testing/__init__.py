@@ -1,0 +1,40 @@
+"""Check that a pipeline resumes exactly: the resume-equivalence harness and ``verify``.
+
+:func:`assert_resumes_exactly` runs a loader uninterrupted over several epochs and saves
+its state at many points on the way: before ``iter()``, right after ``iter()`` before any
+item, after chosen items (optionally after the last item of every epoch) and after each
+StopIteration. Each state goes through the state file encoding (msgpack with header and
+checksum) and into a fresh loader, which must then yield exactly what the uninterrupted
+run yielded from that point on, later epochs included. Optionally each resumed run
+consumes a few items, saves again and is restored into yet another loader (a chain), and
+the first state is restored twice to check that restoring neither changes the state nor
+depends on the loader it goes into.
+
+:func:`verify` is the same check for a user's factory (of a dataset or of a loader) with
+dense checkpoints, behind ``savable-loader verify MODULE:FACTORY``.
+
+Use it on your own pipeline::
+
+    from savable_loader.testing import assert_resumes_exactly, verify
+    assert_resumes_exactly(lambda: SavableDataLoader(MyDataset(), batch_size=8, num_workers=2))
+    verify(MyDataset, num_workers=2)
+"""
+
+from __future__ import annotations
+
+from .digests import digest
+from .divergence import ResumeMismatch
+from .harness import Progress, ResumeReport, assert_resumes_exactly
+from .restores import roundtrip
+from .verification import VerifyReport, verify
+
+__all__ = [
+    "Progress",
+    "ResumeMismatch",
+    "ResumeReport",
+    "VerifyReport",
+    "assert_resumes_exactly",
+    "digest",
+    "roundtrip",
+    "verify",
+]

@@ -1,0 +1,120 @@
+"""The resume-equivalence harness: :func:`assert_resumes_exactly` and its report.
+
+It runs the reference (``reference.py``), then restores every saved state into fresh
+loaders and compares (``restores.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..loader import SavableDataLoader
+from .divergence import ResumeMismatch
+from .reference import _choose_points, _epoch_lengths, _planned_runs, _reference_run
+from .restores import _Checker, roundtrip
+
+Progress = Callable[[int, int], None]
+"""Called as ``progress(done, total)`` as the check advances (runs of a loader)."""
+
+
+@dataclass
+class ResumeReport:
+    """What :func:`assert_resumes_exactly` checked.
+
+    Attributes:
+        items_per_epoch: Items of each epoch of the uninterrupted run.
+        save_points: Labels of the save points restored and checked.
+        chains: Number of save-restore-save-restore chains checked.
+        boundary_points: How many of ``save_points`` are boundaries (before ``iter()``,
+            after ``iter()``, after StopIteration) rather than after an item.
+        restores: Fresh loaders restored and compared, chains included.
+    """
+
+    items_per_epoch: list[int]
+    save_points: list[str] = field(default_factory=list)
+    chains: int = 0
+    boundary_points: int = 0
+    restores: int = 0
+
+
+def assert_resumes_exactly(
+    build: Callable[[], SavableDataLoader],
+    *,
+    epochs: int = 2,
+    points: Iterable[int] | None = None,
+    num_points: int = 6,
+    chain_items: Sequence[int] = (1, 3),
+    seed: int = 0,
+    boundaries: bool = True,
+    last_items: bool = False,
+    progress: Progress | None = None,
+) -> ResumeReport:
+    """Asserts that ``build()``'s stream resumes exactly from many save points.
+
+    Args:
+        build: Returns a fresh loader; every call must build the same pipeline.
+        epochs: Epochs of the uninterrupted reference run (at least 1).
+        points: Item counts (over all epochs) after which to save; by default
+            ``num_points`` random ones plus the first item of every epoch.
+        num_points: Random save points when ``points`` is None.
+        chain_items: For each resumed run, also consume this many items, save, restore
+            into another fresh loader and check that (chains; empty to skip).
+        seed: Seed of the random choice of save points.
+        boundaries: Also save before ``iter()``, right after each ``iter()`` and after
+            each StopIteration (on by default; off for a quick check of ``points`` only).
+        last_items: When ``points`` is None, also save after the last item of every
+            epoch (before its StopIteration).
+        progress: Called as ``progress(done, total)`` after each run of a loader (the
+            two reference passes, then every restore); ``total`` is known after the
+            first pass.
+
+    Returns:
+        A report of what was checked.
+
+    Raises:
+        ResumeMismatch: A restored loader diverged; the message and the attributes name
+            the save point, the epoch and position of the first differing item, the
+            worker that produced it and the fields that differ.
+    """
+    if epochs < 1:
+        raise ValueError("epochs must be at least 1")
+    lengths = _epoch_lengths(build, epochs)
+    chosen = _choose_points(lengths, points, num_points, seed, last_items)
+    planned = _planned_runs(lengths, chosen, chain_items, boundaries)
+    done = 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, max(planned, done))
+
+    advance()
+    reference, saved = _reference_run(build, lengths, chosen, boundaries)
+    advance()
+    checker = _Checker(build, reference)
+    report = ResumeReport(items_per_epoch=list(lengths))
+    for number, point in enumerate(saved):
+        plain_before = point.state.to_plain()
+        state = roundtrip(point.state)
+        checker.resume(state, point.start(), point.label)
+        report.restores += 1
+        advance()
+        if number == 0:
+            checker.resume(state, point.start(), f"{point.label} (same state restored again)")
+            report.restores += 1
+            advance()
+        if state.to_plain() != plain_before or point.state.to_plain() != plain_before:
+            raise ResumeMismatch(
+                f"{point.label}: restoring changed the state object", point=point.label
+            )
+        report.save_points.append(point.label)
+        report.boundary_points += point.boundary
+        for count in chain_items:
+            if reference.remaining(point.start()) > count:
+                checker.chain(state, point.start(), count, point.label)
+                report.chains += 1
+                report.restores += 2
+                advance()
+    return report
