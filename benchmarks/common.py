@@ -351,7 +351,7 @@ def write_results(
     committed results.
     """
     machine = machine_info()
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     payload = {
         "bench": bench,
         "command": command or f"python benchmarks/{bench}.py",

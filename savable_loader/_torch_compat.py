@@ -12,6 +12,13 @@ same item, losing nothing (NOTE [ Watchdog ] in ``_stream.py``).
 ``tests/test_torch_compat.py`` pins each behaviour used here, so a torch upgrade that
 changes one fails there first.
 
+NOTE [ Delivery order before in_order ]
+``DataLoader`` takes ``in_order`` from torch 2.6 on; it defaults to True, and torch
+before it always delivered in order (round-robin over workers, NOTE [ Worker order ] in
+``_book.py``). :func:`in_order_argument` passes ``in_order=True`` where torch takes it
+and nothing where it does not, so the loader asks for the same order on every torch it
+supports.
+
 NOTE [ Shared memory of a killed worker ]
 A worker sends a tensor through a shared memory file that torch creates under
 ``/dev/shm`` as ``torch_<pid>_...`` and unlinks as soon as it is opened. A worker killed
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import inspect
 import os
 import signal
 import threading
@@ -49,6 +57,7 @@ __all__ = [
     "deferred_worker_death",
     "drop_persistent_iterator",
     "drop_unfinished_iterator",
+    "in_order_argument",
     "is_timeout",
     "kill_worker",
     "remove_leaked_shared_memory",
@@ -62,6 +71,13 @@ _TIMEOUT_MESSAGE = "DataLoader timed out after "
 #: How long the main process waits for the workers-done event's lock before it takes the
 #: lock as left held by a dead worker (a live worker holds it for microseconds).
 _LOCK_WAIT = 0.5
+_TAKES_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+
+
+def in_order_argument() -> dict[str, Any]:
+    """``DataLoader``'s keyword for in-order delivery: ``{"in_order": True}`` where torch
+    takes it, else ``{}`` (NOTE [ Delivery order before in_order ])."""
+    return {"in_order": True} if _TAKES_IN_ORDER else {}
 
 
 def is_timeout(error: BaseException) -> bool:

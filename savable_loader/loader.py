@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import _elastic, distributed
+from . import _elastic, _torch_compat, distributed
 from ._book import Book
 from ._checks import check_arguments
 from ._compat import SavedStates, check_compatible, own_state, state_from_dict, state_key
@@ -165,7 +165,7 @@ class SavableDataLoader(DataLoader[Any]):
             prefetch_factor=prefetch_factor,
             persistent_workers=num_workers > 0,
             pin_memory_device=pin_memory_device,
-            in_order=True,
+            **_torch_compat.in_order_argument(),
         )
         # DataLoader guards these names after __init__; the values torch needs underneath
         # (no batching, no dropping) were passed above, and torch's iterators never read

@@ -118,9 +118,9 @@ def test_inspect_json_matches_the_state(tmp_path, capsys, num_workers):
             "ended": worker.ended,
             "checkpoint_seq": checkpoint.seq,
             "replay": worker.replay,
-            "exhausted": checkpoint.exhausted,
-            "dataset_state": msgpack.unpackb(checkpoint.dataset_state),
-            "dataset_state_bytes": len(checkpoint.dataset_state),
+            "exhausted": checkpoint.state["exhausted"],
+            "dataset_state": checkpoint.state["parent"],
+            "dataset_state_bytes": len(msgpack.packb(checkpoint.state["parent"])),
         }
 
 

@@ -14,7 +14,9 @@ runs; the published page does not show it:
   (a ``dataset``, a ``train_step``) with small real stand-ins. Setup code can use
   ``docs_test`` (:class:`_Helpers`): ``docs_test.s3_server(url, bucket)`` starts a
   loopback S3 server, ``docs_test.process_group()`` a one-rank gloo process group,
-  ``docs_test.setenv(name, value)`` sets a variable for the page's run.
+  ``docs_test.setenv(name, value)`` sets a variable for the page's run,
+  ``docs_test.allow_in_weights_only_load(*objects)`` extends torch's weights-only
+  allowlist for the page's run.
 - ``<!-- test: skip (REASON) -->`` leaves the block out; the reason is required. Keep
   these rare: a block that cannot run in one process (several ranks) or against a
   loopback server.
@@ -241,6 +243,19 @@ class _Helpers:
         self._stack.callback(
             lambda: dist.destroy_process_group() if dist.is_initialized() else None
         )
+
+    def allow_in_weights_only_load(self, *objects: Any) -> None:
+        """Adds ``objects`` to ``torch.load(weights_only=True)``'s allowlist for the page's run."""
+        import torch.serialization
+
+        before = torch.serialization.get_safe_globals()
+        torch.serialization.add_safe_globals(list(objects))
+
+        def restore() -> None:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(before)
+
+        self._stack.callback(restore)
 
 
 @contextlib.contextmanager

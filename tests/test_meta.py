@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import multiprocessing
-import sys
 import time
+import tomllib
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pytest depends on tomli before Python 3.11
-    import tomli as tomllib
+from packaging.version import Version
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -27,3 +25,23 @@ def test_pyproject_declares_console_script() -> None:
     with PYPROJECT.open("rb") as file:
         pyproject = tomllib.load(file)
     assert pyproject["project"]["scripts"]["savable-loader"] == "savable_loader.cli:main"
+
+
+def test_the_lowest_session_installs_every_declared_minimum() -> None:
+    """``nox -s tests_lowest`` (run by CI) tests what pyproject.toml declares."""
+    with PYPROJECT.open("rb") as file:
+        declared = tomllib.load(file)["project"]["dependencies"]
+    minimums = {}
+    for requirement in declared:
+        name, _, version = requirement.partition(">=")
+        minimums[name.strip()] = version.strip()
+    noxfile = ast.parse((PYPROJECT.parent / "noxfile.py").read_text())
+    (lowest,) = [
+        node.value
+        for node in noxfile.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LOWEST"
+    ]
+    pinned = dict(pin.split("==") for pin in ast.literal_eval(lowest))
+    assert {name: Version(version) for name, version in pinned.items()} == {
+        name: Version(version) for name, version in minimums.items()
+    }

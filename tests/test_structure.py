@@ -123,9 +123,7 @@ def test_every_note_reference_names_a_note() -> None:
     mentioned: dict[str, set[str]] = {}
     for name, path in MODULES.items():
         text = path.read_text()
-        defined.update(
-            m.group(1) for m in re.finditer(r"^\s*NOTE \[ ([^\]]+?) \]\s*$", text, re.M)
-        )
+        defined.update(m.group(1) for m in re.finditer(r"^\s*NOTE \[ ([^\]]+?) \]\s*$", text, re.M))
         for match in _NOTE.finditer(text):
             mentioned.setdefault(" ".join(match.group(1).split()), set()).add(name)
     dangling = {note: sorted(where) for note, where in mentioned.items() if note not in defined}

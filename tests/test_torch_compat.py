@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import time
@@ -89,6 +90,17 @@ def test_an_expired_timeout_raises_and_asking_again_loses_nothing():
         _torch_compat.drop_persistent_iterator(loader, iterator)
     assert timeouts >= 3
     assert got == [[w, i] for i in range(4) for w in range(2)]
+
+
+def test_delivery_is_in_order_on_every_supported_torch():
+    """NOTE [ Delivery order before in_order ]: a slow worker holds back the others, both
+    where ``in_order=True`` is passed (torch 2.6 on) and where torch has no such argument."""
+    takes = "in_order" in inspect.signature(DataLoader.__init__).parameters
+    assert _torch_compat.in_order_argument() == ({"in_order": True} if takes else {})
+    loader = DataLoader(
+        _Slow(), batch_size=None, num_workers=2, **_torch_compat.in_order_argument()
+    )
+    assert list(loader) == [[w, i] for i in range(4) for w in range(2)]
 
 
 def test_a_worker_can_be_killed():

@@ -79,25 +79,22 @@ def _worker_summary(worker: WorkerState) -> dict[str, Any]:
         "dataset_state_bytes": None,
     }
     if checkpoint is not None:
+        # The outer level is the loader's batching stage (NOTE [ Batching is a stage ] in
+        # datasets/batch.py); what is under it is the dataset's (the pipeline's) state.
+        state = checkpoint.state
+        batching = isinstance(state, dict) and set(state) == {"parent", "exhausted"}
+        pipeline = state["parent"] if batching else state
         summary.update(
             checkpoint_seq=checkpoint.seq,
-            exhausted=checkpoint.exhausted,
-            dataset_state=_decode_dataset_state(checkpoint.dataset_state),
-            dataset_state_bytes=len(checkpoint.dataset_state),
+            exhausted=state["exhausted"] if batching else None,
+            dataset_state=_displayable(pipeline),
+            dataset_state_bytes=len(msgpack.packb(pipeline, use_bin_type=True)),
         )
     return summary
 
 
-def _decode_dataset_state(data: bytes) -> Any:
-    try:
-        state = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as error:
-        return f"<{len(data)} bytes, not msgpack: {error}>"
-    return _displayable(state)
-
-
 def _displayable(value: Any) -> Any:
-    """Makes decoded msgpack printable as JSON: bytes become ``"<N bytes>"``."""
+    """Makes a state printable as JSON: bytes become ``"<N bytes>"``."""
     if isinstance(value, bytes):
         return f"<{len(value)} bytes>"
     if isinstance(value, dict):

@@ -13,6 +13,10 @@ depends on the loader it goes into.
 :func:`verify` is the same check for a user's factory (of a dataset or of a loader) with
 dense checkpoints, behind ``savable-loader verify MODULE:FACTORY``.
 
+:func:`assert_cursor_resumes_exactly` is the same check one level down, for a stage and
+its cursors in one process, at every position of a few epochs: what a stage's author
+runs while writing it.
+
 Use it on your own pipeline::
 
     from savable_loader.testing import assert_resumes_exactly, verify
@@ -22,6 +26,7 @@ Use it on your own pipeline::
 
 from __future__ import annotations
 
+from .cursors import CursorReport, assert_cursor_resumes_exactly
 from .digests import digest
 from .divergence import ResumeMismatch
 from .harness import Progress, ResumeReport, assert_resumes_exactly
@@ -29,10 +34,12 @@ from .restores import roundtrip
 from .verification import VerifyReport, verify
 
 __all__ = [
+    "CursorReport",
     "Progress",
     "ResumeMismatch",
     "ResumeReport",
     "VerifyReport",
+    "assert_cursor_resumes_exactly",
     "assert_resumes_exactly",
     "digest",
     "roundtrip",
