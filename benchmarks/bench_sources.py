@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import msgpack
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
@@ -302,8 +303,11 @@ def state_sizes(name: str, patterns: dict[str, str]) -> tuple[int, int]:
         for _ in range(40):
             next(iterator)
         state = loader.save_state_rank()
+        # The pipeline's own state, under the loader's batching stage, as msgpack.
         pipeline = max(
-            len(w.checkpoint.dataset_state) for w in state.workers if w.checkpoint is not None
+            len(msgpack.packb(w.checkpoint.state["parent"], use_bin_type=True))
+            for w in state.workers
+            if w.checkpoint is not None
         )
         return len(encode_state(state)), pipeline
     finally:

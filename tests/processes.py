@@ -37,3 +37,30 @@ def _all_threads_stopped(pid: int) -> bool:
             # The state follows the parenthesised command name, which may hold spaces.
             states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
     return bool(states) and all(state in ("T", "t") for state in states)
+
+
+def kill(pid: int, timeout: float = 10.0) -> None:
+    """Kills ``pid`` (SIGKILL) and returns once it has died.
+
+    Torch's SIGCHLD handler raises RuntimeError in the main thread wherever it is when a
+    worker dies; a test that kills a worker and then calls the loader would otherwise see
+    that error land in its own code, before the loader's call, now and then. It lands here
+    instead, and the loader finds the dead worker by itself.
+    """
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(RuntimeError):
+            if not _running(pid):
+                time.sleep(0.05)  # torch's SIGCHLD handler runs here, if it has not yet
+                return
+            time.sleep(0.005)
+    raise TimeoutError(f"process {pid} did not die within {timeout:g} s of SIGKILL")
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")

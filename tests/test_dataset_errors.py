@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from pipelines import RandomCounter
+from processes import kill
 
 from savable_loader import (
     DatasetError,
@@ -250,7 +251,7 @@ def test_a_dead_worker_leaves_the_loader_broken_until_a_restore(tmp_path):
         iterator = iter(loader)
         got = [digest(next(iterator)) for _ in range(3)]
         state = loader.save_state_rank()
-        os.kill(loader.worker_stats()[0]["pid"], 9)
+        kill(loader.worker_stats()[0]["pid"])
         with pytest.raises(WorkerError):
             _drain(iterator)
         assert multiprocessing.active_children() == []

@@ -7,8 +7,6 @@ asserts. The helpers below live at module level so that spawned children can imp
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +14,7 @@ from typing import Any
 
 import pytest
 from gloo import in_rank_order, outcome, run_ranks
+from processes import kill
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +124,7 @@ def _job_kill(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
         next(stream)
         dist.barrier()
         if rank == world_size - 1:
-            os.kill(loader.worker_stats()[0]["pid"], signal.SIGKILL)
+            kill(loader.worker_stats()[0]["pid"])
             time.sleep(0.2)
         saved = outcome(lambda: loader.save_state_global(global_dst_rank=0))
     finally:

@@ -64,7 +64,7 @@ from typing import Any
 import pytest
 from gloo import in_rank_order, run_ranks
 from pipelines import RandomCounter
-from processes import freeze, thaw
+from processes import freeze, kill, thaw
 from torch.utils.data import get_worker_info
 
 from savable_loader import ConfigError, SavableDataLoader, WorkerConfig, WorkerError
@@ -224,7 +224,7 @@ def test_kill_while_iterating() -> None:
         stream = _stream(loader, EPOCHS)
         head = [next(stream) for _ in range(5)]
         state = loader.save_state_rank()
-        os.kill(_pids(loader)[1], signal.SIGKILL)
+        kill(_pids(loader)[1])
         rest: list[str] = []
         _raises_within(
             lambda: _drain(stream, rest), COMMAND_TIMEOUT, match=r"worker\(s\) \[1\] died"
@@ -288,7 +288,7 @@ def test_kill_during_save_rank() -> None:
             stream = _stream(loader, EPOCHS)
             head = [next(stream) for _ in range(7)]
             state = loader.save_state_rank()
-            os.kill(_pids(loader)[1], signal.SIGKILL)
+            kill(_pids(loader)[1])
             _raises_within(
                 loader.save_state_rank,
                 COMMAND_TIMEOUT,
@@ -418,7 +418,7 @@ def _rank_job(rank: int, fault: str, tmp: Path) -> dict[str, Any]:
         if good is not None:
             save_state(good, tmp / f"{fault}.good.msgpack")
         if fault == "kill" and rank == 1:
-            os.kill(_pids(loader)[0], signal.SIGKILL)
+            kill(_pids(loader)[0])
             time.sleep(0.2)
         if fault == "hang":
             time.sleep(1.0)  # rank 1's worker 0 is inside its batch 3 (items 12, 14)

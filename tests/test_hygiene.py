@@ -17,7 +17,6 @@ import contextlib
 import gc
 import glob
 import os
-import signal
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 from pipelines import RandomCounter
+from processes import kill
 
 from savable_loader import (
     DatasetError,
@@ -212,7 +212,7 @@ def _after_a_killed_worker() -> None:
     with _loader() as loader:
         iterator = iter(loader)
         next(iterator)
-        os.kill(loader.worker_stats()[1]["pid"], signal.SIGKILL)
+        kill(loader.worker_stats()[1]["pid"])
         with pytest.raises(WorkerError, match=r"worker\(s\) \[1\] died"):
             list(iterator)
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
 import pytest
 from pipelines import RandomCounter, Stuck
-from processes import freeze, thaw
+from processes import freeze, kill, thaw
 
 from savable_loader import SavableDataLoader, WorkerConfig, WorkerError
 from savable_loader.testing import digest
@@ -99,7 +98,7 @@ def test_dead_worker_during_save_raises_worker_error_naming_it():
         iterator = iter(loader)
         next(iterator)
         pids = [stats["pid"] for stats in loader.worker_stats()]
-        os.kill(pids[1], signal.SIGKILL)
+        kill(pids[1])
         began = time.monotonic()
         with pytest.raises(WorkerError, match=r"worker\(s\) \[1\] died during a save"):
             loader.save_state_rank()
@@ -115,7 +114,7 @@ def test_dead_worker_during_save_with_torchs_signal_handler_is_a_worker_error():
         iterator = iter(loader)
         next(iterator)
         pids = [stats["pid"] for stats in loader.worker_stats()]
-        os.kill(pids[1], signal.SIGKILL)
+        kill(pids[1])
         with pytest.raises(RuntimeError):  # WorkerError, or torch's own if it fires first
             _save_until_it_fails(loader)
     finally:
@@ -131,7 +130,7 @@ def test_dead_worker_while_iterating_raises_worker_error_and_last_state_resumes(
         iterator = iter(loader)
         got = [digest(next(iterator)) for _ in range(5)]
         state = loader.save_state_rank()
-        os.kill(loader.worker_stats()[0]["pid"], signal.SIGKILL)
+        kill(loader.worker_stats()[0]["pid"])
         with pytest.raises(WorkerError):
             _drain(iterator, 100)
     finally:

@@ -29,6 +29,7 @@ returns None, which is always exact.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -169,6 +170,15 @@ class _DatasetCursor(Cursor[T]):
         except StopIteration:
             self._items = None
             raise
+
+    def take(self, n: int) -> list[T]:
+        items = self._items
+        if items is None:
+            items = self._items = iter(self.dataset)
+        taken = list(itertools.islice(items, n))
+        if len(taken) < n:
+            self._items = None  # the dataset's iteration ended: its next one is the next epoch
+        return taken
 
     def own_state(self) -> Any:
         return self.dataset.save_state()

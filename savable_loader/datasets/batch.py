@@ -120,15 +120,13 @@ class _BatchCursor(TransformCursor[Any]):
             raise StopIteration
         if self.size is None:
             return self.collate(next(self.parent))
-        batch: list[Any] = []
-        while len(batch) < self.size:
-            try:
-                batch.append(next(self.parent))
-            except StopIteration:
-                if not batch or self.drop_last:
-                    raise
-                self.exhausted = True
-                break
+        # A short batch means the parent's epoch ended while it filled (the parent then
+        # stands at its next epoch).
+        batch = self.parent.take(self.size)
+        if len(batch) < self.size:
+            if not batch or self.drop_last:
+                raise StopIteration
+            self.exhausted = True
         return self.collate(batch)
 
     def own_state(self) -> dict[str, Any]:

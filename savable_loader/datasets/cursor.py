@@ -29,6 +29,10 @@ The base class owns the public methods; a subclass fills in hooks.
   producing them does so in the hook ``skip_fast``; otherwise the base class reads them.
   So a stage that counts its parent's items (a limit, a repeat, a batch) skips through
   its parent and always knows how far it went.
+- ``take(n)`` reads up to ``n`` items at once, as ``next()`` would one by one (fewer:
+  the epoch ended, and the cursor stands at the next one); batching reads through it, and
+  a cursor that can read a run of items faster (a dataset's own iterator, an index
+  array) overrides it.
 - ``end_epoch()`` drops the rest of the epoch and stands at the start of the next one;
   the default reads the rest, sources and most transforms do it without reading.
 - ``close()`` releases what the cursor and its parents hold open (files), through the
@@ -39,6 +43,7 @@ The base class owns the public methods; a subclass fills in hooks.
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Iterator
 from typing import Any, ClassVar, TypeVar, final
 
@@ -132,6 +137,10 @@ class Cursor(Iterator[T], abc.ABC):
         """Passes up to ``n`` items without producing them, as :meth:`skip` says; returns
         how many, or None to have the base class read them."""
         return None
+
+    def take(self, n: int) -> list[T]:
+        """Reads up to ``n`` items as ``next()`` would; fewer means the epoch ended."""
+        return list(itertools.islice(self, n))
 
     def end_epoch(self) -> None:
         """Drops the rest of the epoch; the cursor then stands at the next one's start.

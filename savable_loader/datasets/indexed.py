@@ -164,6 +164,16 @@ class IndexedCursor(Cursor[T]):
         self.pos = pos + 1
         return self.stage.data[index]
 
+    def take(self, n: int) -> list[T]:
+        pos = self.pos
+        stop = min(pos + n, self.shard_length)
+        data = self.stage.data
+        items = [data[index] for index in self._indices()[pos:stop].tolist()]
+        self.pos = stop
+        if stop - pos < n:
+            self.end_epoch()
+        return items
+
     def own_state(self) -> dict[str, Any]:
         if self.done is None:
             return {"epoch": self.epoch, "pos": self.pos}
