@@ -21,7 +21,7 @@ from ._layout import Layout
 from ._runtime import WorkerStart
 from ._version import __version__
 from .errors import SavableLoaderError
-from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState
+from .state.models import FORMAT_VERSION, Checkpoint, OrderState, RankState, WorkerState
 
 __all__ = ["Book"]
 
@@ -77,8 +77,11 @@ class Book:
             for w in range(len(self.delivered))
         )
 
-    def state(self, checkpoints: list[Checkpoint | None], layout: Layout) -> RankState:
-        """The saved state of this position, with each worker's checkpoint."""
+    def state(
+        self, checkpoints: list[Checkpoint | None], layout: Layout, order: OrderState | None
+    ) -> RankState:
+        """The saved state of this position, with each worker's checkpoint and how the
+        epoch's order was drawn."""
         return RankState(
             format_version=FORMAT_VERSION,
             library_version=__version__,
@@ -99,6 +102,7 @@ class Book:
                 )
                 for w in range(len(self.delivered))
             ),
+            order=order,
         )
 
     def all_ended(self) -> bool:

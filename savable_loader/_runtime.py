@@ -31,6 +31,15 @@ same next epoch as a run today. An epoch's draws therefore depend only on the la
 the epoch, not on what earlier epochs drew, so after a restore onto another layout (NOTE
 [ Elastic resume ] in ``datasets/elastic.py``) the next epochs draw exactly what a fresh
 run on that layout draws. Epoch 0 keeps the seed it always had.
+
+NOTE [ Torch's worker seeds ]
+With the loader's ``generator=`` set, the workers' generators are seeded as torch seeds
+them: torch draws a base seed from that generator when it starts the workers and seeds
+worker ``w`` from it before ``worker_init_fn`` runs; the runtime keeps what it finds at
+start-up (torch's seeding and whatever ``worker_init_fn`` did) instead of seeding per
+epoch. Persistent workers are seeded once and their generators run on across epochs;
+otherwise the workers of every epoch are new and seeded anew (NOTE [ Epoch orders ] in
+``_sampling.py``). A restore puts back the checkpoint's generators as always.
 """
 
 from __future__ import annotations
@@ -106,6 +115,10 @@ class RuntimeSpec:
         starts: How each worker starts; empty: every worker from the beginning.
         epoch: The loader epoch the workers start in (NOTE [ Generators per epoch ]).
         channel: The command channel, with workers.
+        torch_seeds: The workers' global generators are seeded as torch seeds them, from
+            the base seed the loader's ``generator`` gave (NOTE [ Torch's worker seeds ]).
+        fresh_seeds: With ``torch_seeds``: torch seeded these workers for the epoch they
+            start in (it drew a new base seed), rather than their generators continuing.
     """
 
     root: Stage[Any]
@@ -119,6 +132,8 @@ class RuntimeSpec:
     starts: tuple[WorkerStart, ...] = ()
     epoch: int = 0
     channel: CommandChannel | None = field(default=None)
+    torch_seeds: bool = False
+    fresh_seeds: bool = True
 
     def context(self, worker_id: int) -> WorkerContext:
         """What worker ``worker_id``'s pipeline is told about where it runs."""
@@ -180,6 +195,8 @@ class PipelineRuntime:
         self.progress = progress or Progress()
         self.ring = CheckpointRing(max_lag=spec.max_lag, share=spec.checkpoint_share)
         self.generators = rng.OwnGenerators(rng.capture()) if in_main else None
+        #: NOTE [ Torch's worker seeds ]: the generators as torch seeded this worker.
+        self.torch_seeded = rng.capture() if spec.torch_seeds and not in_main else None
         #: The pipeline raised (NOTE [ Pipeline errors ]): its state is no checkpoint.
         self.failed = False
         self.replayed = 0
@@ -194,7 +211,8 @@ class PipelineRuntime:
         with self._scope():
             if checkpoint is None:
                 self.root.restore(None)
-                rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, 0))
+                if self.torch_seeded is None:
+                    rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, 0))
             else:
                 self.root.restore(copy.deepcopy(checkpoint.state))
                 rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
@@ -230,7 +248,7 @@ class PipelineRuntime:
             self.progress.enter(IDLE, self.seq)
             return iter(())
         if first and self._start.new_epoch:
-            self._seed_epoch(self._epoch)
+            self._seed_epoch(self._epoch, starting=True)
         if first:
             self.catch_up()
         return self._run(placeholder=first and self._start.placeholder)
@@ -297,8 +315,15 @@ class PipelineRuntime:
                 self.ring.maybe_take(elapsed, self._capture)
             yield (self.worker_id, seq, ITEM, item)
 
-    def _seed_epoch(self, epoch: int) -> None:
-        """Seeds the pipeline's global generators for ``epoch`` (NOTE [ Generators per epoch ])."""
+    def _seed_epoch(self, epoch: int, *, starting: bool = False) -> None:
+        """Seeds the pipeline's global generators for ``epoch`` (NOTE [ Generators per epoch ]);
+        with torch's seeds, only as torch seeded a worker of a new epoch (NOTE [ Torch's
+        worker seeds ])."""
+        if self.torch_seeded is not None:
+            if starting and self.spec.fresh_seeds:
+                rng.apply(self.torch_seeded)
+                self.ring.take(self._capture)  # the epoch starts from these, not the END's
+            return
         with self._scope():
             rng.seed_globals(epoch_seed(self.spec.seed, self.spec.rank, self.worker_id, epoch))
 

@@ -4,34 +4,12 @@ The public face: it turns its arguments into a pipeline (``as_stage``, then ``Ba
 runs it through torch's ``DataLoader`` over the worker wrapper, keeps the bookkeeping of
 what it handed on (``_book.py``), and saves and restores it. The workers' runtime is
 ``_runtime.py``, one run of the workers ``_stream.py``, state compatibility ``_compat.py``.
-
-NOTE [ Iterators continue the stream ]
-Every iterator of a loader reads the same stream. ``iter(loader)`` starts a new epoch
-only when the previous one ended (StopIteration); an epoch left half-read (a ``break``)
-continues where it stopped, so nothing is lost and an uninterrupted run behaves exactly
-like a saved and restored one. A restore moves the stream: a live iterator continues
-from the restored position (or stops, if the state lies between epochs).
-
-NOTE [ Errors stop the stream ]
-When the pipeline raises (an ERROR event, NOTE [ Pipeline errors ] in ``_events.py``) or
-anything else escapes torch's iterator, the loader stops the stream (workers, queues,
-command pipes) before the error reaches the user, and keeps its bookkeeping, which stands
-exactly after the last item handed on. It first asks the workers for checkpoints at that
-position (no request when nothing was handed on since the stream started: the start
-checkpoints still hold), so the loader is as if that position had been saved and
-restored: the next iteration starts fresh workers that replay up to it and retry the
-failing item, ``save_state_rank()`` saves it, and ``restore_state_rank()`` moves
-anywhere else. If the position cannot be had (a worker died or hung), the loader is
-*broken*: iterating or saving raises an error saying so, until a restore. An error from
-the pipeline is raised as :class:`DatasetError` naming the worker and the item, chained
-from the original exception (the object itself without workers; with workers a copy of
-its type, and the worker's traceback in the message, as torch does); the library's own
-errors (StateError, StorageError, ...) keep their type.
+The stream's lifecycle (epochs, workers per epoch, errors) is described in ``_iterator.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,14 +20,13 @@ from ._book import Book
 from ._checks import check_arguments
 from ._compat import SavedStates, check_compatible, own_state, state_from_dict, state_key
 from ._events import END, ERROR, PLACEHOLDER, Failure
+from ._iterator import LoaderIterator
 from ._layout import Layout
+from ._pipeline import build_pipeline
 from ._runtime import RuntimeSpec
 from ._stream import Hang, Stream
 from ._worker import WorkerWrapper
 from .config import WorkerConfig
-from .datasets.adapt import as_stage
-from .datasets.batch import Batch
-from .datasets.indexed import IndexedDataset, rank_batches
 from .errors import SavableLoaderError, WorkerError
 from .rng import derive_seed
 from .state.files import encode_state
@@ -69,7 +46,7 @@ class SavableDataLoader(DataLoader[Any]):
 
     Arguments keep ``DataLoader``'s names and defaults where they apply. Batching
     (``batch_size``, ``collate_fn``, ``drop_last``) happens inside the workers, so one batch
-    never mixes workers. With workers, persistent workers are used.
+    never mixes workers.
 
     Args:
         dataset: A :class:`~savable_loader.SavableDataset`, a building block of
@@ -77,9 +54,11 @@ class SavableDataLoader(DataLoader[Any]):
             ``load_state_dict()``, or a map-style dataset (``__getitem__`` + ``__len__``),
             served through :class:`~savable_loader.datasets.IndexedDataset`.
         batch_size: Items per batch; None yields items one by one.
-        shuffle: For map-style datasets: a new seeded permutation every epoch.
-        sampler: Not supported (ConfigError): the order must be savable.
-        batch_sampler: Not supported (ConfigError).
+        shuffle: For map-style datasets: a new permutation every epoch, drawn from
+            ``seed`` (from ``generator`` as torch does, when one is given).
+        sampler: As in ``DataLoader`` (map-style datasets): drawn in the main process each
+            epoch, saved as the generators it draws from (NOTE [ Epoch orders ]).
+        batch_sampler: As in ``DataLoader``, likewise.
         num_workers: Worker processes; 0 runs the pipeline in the main process.
         collate_fn: Merges items into a batch (default: torch's ``default_collate``).
         pin_memory: As in ``DataLoader``.
@@ -87,12 +66,15 @@ class SavableDataLoader(DataLoader[Any]):
         timeout: As in ``DataLoader``.
         worker_init_fn: As in ``DataLoader``; runs before the pipeline is restored.
         multiprocessing_context: As in ``DataLoader`` (fork, forkserver, spawn).
-        generator: Not supported (ConfigError): ``seed`` drives every random choice.
+        generator: As in ``DataLoader``: drives ``shuffle=True`` (torch's ``RandomSampler``)
+            and the workers' base seeds; its state is part of the saved state.
         prefetch_factor: As in ``DataLoader``.
-        persistent_workers: None or True; False with workers is refused.
+        persistent_workers: As in ``DataLoader``: False (the default) starts the workers
+            anew every epoch (NOTE [ Workers per epoch ]).
         pin_memory_device: As in ``DataLoader``.
         in_order: Must be True: out-of-order delivery cannot be resumed exactly.
-        seed: Drives the shuffle order and the workers' seeds (with rank and worker id).
+        seed: Drives the shuffle order and the workers' seeds (with rank and worker id)
+            when no ``generator`` is given.
         worker_config: Rank, world size, command timeout, checkpoint policy.
 
     Raises:
@@ -123,18 +105,30 @@ class SavableDataLoader(DataLoader[Any]):
         worker_config: WorkerConfig | None = None,
     ) -> None:
         check_arguments(
-            sampler=sampler,
-            batch_sampler=batch_sampler,
             num_workers=num_workers,
-            generator=generator,
             prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
             in_order=in_order,
             seed=seed,
         )
+        persistent = bool(persistent_workers) and num_workers > 0
+        pipeline = build_pipeline(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            generator=generator,
+            seed=seed,
+            draws_every_epoch=not persistent,
+        )
         #: The pipeline the loader reads, as a stage (``datasets.as_stage(dataset)``).
-        self.source = as_stage(dataset, shuffle=shuffle, seed=seed)
-        root = Batch(self.source, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn)
+        self.source, root, self._pipeline = pipeline.source, pipeline.root, pipeline
+        #: NOTE [ Epoch orders ] in ``_sampling.py``; None when nothing is drawn there.
+        self._planner = pipeline.planner
+        #: Workers start anew for every epoch (NOTE [ Workers per epoch ]).
+        self._restarts = num_workers > 0 and (not persistent or pipeline.sampled)
         self.worker_config = worker_config or WorkerConfig()
         self.rank, self.world_size = self.worker_config.resolve()
         self.seed = seed
@@ -145,9 +139,10 @@ class SavableDataLoader(DataLoader[Any]):
             rank=self.rank,
             world_size=self.world_size,
             num_workers=num_workers,
-            batch_size=batch_size,
+            batch_size=root.batch_size,
             checkpoint_share=self.worker_config.checkpoint_share,
             max_lag=prefetch * num_workers + 2,
+            torch_seeds=generator is not None,
         )
         self._wrapper = WorkerWrapper(self._spec)
         super().__init__(
@@ -172,6 +167,7 @@ class SavableDataLoader(DataLoader[Any]):
         # them for an iterable dataset, so they can report what the user asked for.
         object.__setattr__(self, "batch_size", batch_size)
         object.__setattr__(self, "drop_last", drop_last)
+        self._own_generator = self.generator
         #: What a state is checked against and resharded for (``_compat.py``).
         self.layout = Layout(root, seed, self.rank, self.world_size, num_workers)
         self.fingerprint = self.layout.fingerprint
@@ -186,7 +182,7 @@ class SavableDataLoader(DataLoader[Any]):
 
     # -- iteration --------------------------------------------------------------------
 
-    def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
+    def __iter__(self) -> LoaderIterator:  # type: ignore[override]
         """Returns an iterator over the stream (NOTE [ Iterators continue the stream ])."""
         self._check_usable()
         new_epoch = False
@@ -195,19 +191,29 @@ class SavableDataLoader(DataLoader[Any]):
             new_epoch = True
             if self._stream is not None:
                 try:
+                    self._draw_epoch()
                     self._stream.next_epoch()
                 except RuntimeError as error:
                     self._raise_if_workers_died(error, "while an epoch started")
                     raise
         if self._stream is None:
             self._start_stream(new_epoch=new_epoch)
-        return _LoaderIterator(self)
+        return LoaderIterator(self)
 
     def _start_stream(self, *, new_epoch: bool = False) -> None:
         self._spec.starts = self._book.starts(new_epoch=new_epoch)
         self._spec.epoch = self._book.epoch
+        self._draw_epoch()
         self._started = self._book.copy()
         self._stream = Stream(self, self._wrapper, self.worker_config)
+
+    def _draw_epoch(self) -> None:
+        """Makes the current epoch's draws in the main process, once (NOTE [ Epoch orders ])."""
+        planner, self.generator = self._planner, self._own_generator
+        if planner is not None and planner.needs_draw(self._book.epoch):
+            self._spec.fresh_seeds = planner.draw(self._book.epoch) is not None
+            # Torch draws the same base seed from a copy of the generator before the draw.
+            self.generator = planner.generator_before() or self.generator
 
     def _next(self) -> Any:
         while True:
@@ -229,6 +235,9 @@ class SavableDataLoader(DataLoader[Any]):
                         f"internal error: the epoch ended but workers {self._book.unended()} "
                         "did not report their end; please report"
                     ) from None
+                if self._restarts:  # NOTE [ Workers per epoch ]: their ENDs start the next
+                    self._book.resume = list(stream.checkpoints(self._book.delivered))
+                    self._stop_stream()
                 raise
             except Hang as hang:
                 lost = self._halt(hung=hang.workers, ask=hang.answering)
@@ -251,16 +260,13 @@ class SavableDataLoader(DataLoader[Any]):
 
     @property
     def last_worker(self) -> int | None:
-        """The worker that produced the last item handed out; None before the first item
-        and when ``num_workers`` is 0 (the pipeline runs in the main process)."""
+        """The worker of the last item handed out (None before one, and without workers)."""
         return self._last_worker
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch, for map-style datasets (as with torch)."""
-        if not isinstance(self.source, IndexedDataset):
-            raise TypeError(f"{self.source.describe()} has no len(); the epoch ends when it does")
         contexts = [self._spec.context(w) for w in range(max(self.num_workers, 1))]
-        return rank_batches(len(self.source.data), contexts, drop_last=self.drop_last)
+        return self._pipeline.batches(contexts, drop_last=self.drop_last)
 
     # -- faults (NOTE [ Errors stop the stream ]) -------------------------------------
 
@@ -328,7 +334,8 @@ class SavableDataLoader(DataLoader[Any]):
                 restore (NOTE [ Errors stop the stream ]).
         """
         self._check_usable()
-        return self._book.state(self._current_checkpoints(), self.layout)
+        order = None if self._planner is None else self._planner.state
+        return self._book.state(self._current_checkpoints(), self.layout, order)
 
     def _current_checkpoints(self) -> list[Checkpoint | None]:
         stream = self._stream
@@ -343,8 +350,8 @@ class SavableDataLoader(DataLoader[Any]):
             raise
 
     def worker_stats(self) -> list[dict[str, Any]]:
-        """Returns per-worker figures: checkpoints taken, their cost and size, ring entries,
-        events replayed at start-up. Empty before the pipeline starts.
+        """Returns per-worker figures (checkpoints, their cost and size, ring entries,
+        events replayed at start-up); empty before the pipeline starts.
 
         Raises:
             WorkerError: A worker is dead or did not answer within its command timeout.
@@ -382,6 +389,9 @@ class SavableDataLoader(DataLoader[Any]):
             mine = own_state(state, self.layout, approximate=approximate)
             check_compatible(mine, self.layout)
             book = Book.of(mine)
+        if self._planner is not None:
+            order = None if state is None else mine.order
+            self._planner.restore(order, epoch=book.epoch, between_epochs=book.all_ended())
         self._stop_stream()
         self._book = book
         self._broken = None
@@ -481,20 +491,3 @@ class SavableDataLoader(DataLoader[Any]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _LoaderIterator(Iterator[Any]):
-    """An iterator over a :class:`SavableDataLoader`'s stream for the current epoch."""
-
-    def __init__(self, loader: SavableDataLoader) -> None:
-        self._loader = loader
-        self._done = False
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        try:
-            return self._loader._next()
-        except StopIteration:
-            self._done = True
-            raise

@@ -49,6 +49,8 @@ from .migrate import migrate
 __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
+    "OrderSnapshot",
+    "OrderState",
     "RankState",
     "RngState",
     "WorkerState",
@@ -113,6 +115,46 @@ class Checkpoint(_Model):
         return value
 
 
+class OrderSnapshot(_Model):
+    """The generators the main process draws an epoch's order from, at one moment
+    (NOTE [ Epoch orders ] in ``_sampling.py``).
+
+    Attributes:
+        rng: The main process's global generators.
+        generators: The states of the loader's ``generator`` and of the sampler's own
+            generators, in the order the loader finds them.
+        sampler: The sampler's ``state_dict()`` when it has one, else None.
+        sampler_epoch: The sampler's ``epoch`` attribute (``DistributedSampler``), or None.
+    """
+
+    rng: RngState
+    generators: tuple[Annotated[StrictBytes, Field(max_length=1 << 20)], ...]
+    sampler: Any = None
+    sampler_epoch: StrictInt | None = None
+
+    @field_validator("sampler")
+    @classmethod
+    def _plain(cls, value: Any) -> Any:
+        problem = find_non_plain(value)
+        if problem is not None:
+            raise ValueError(f"the sampler's state is not plain data: {problem}")
+        return value
+
+
+class OrderState(_Model):
+    """How the main process drew the order of the current epoch.
+
+    Attributes:
+        epoch: The epoch whose order was drawn.
+        before: The generators just before the draw.
+        after: The generators just after it (where the next epoch's draw starts).
+    """
+
+    epoch: NonNegative
+    before: OrderSnapshot
+    after: OrderSnapshot
+
+
 class WorkerState(_Model):
     """Where the consumer stands in one worker's stream.
 
@@ -159,6 +201,8 @@ class RankState(_Model):
         epoch: Index of the current epoch (the one in progress or the last one ended).
         next_worker: Worker whose event comes next in torch's round-robin order.
         workers: One entry per worker (one entry when ``num_workers`` is 0).
+        order: How the epoch's order was drawn, when the main process draws it (a
+            ``sampler``, ``batch_sampler`` or ``generator``); None otherwise.
     """
 
     format_version: StrictInt
@@ -172,6 +216,7 @@ class RankState(_Model):
     epoch: NonNegative
     next_worker: NonNegative
     workers: tuple[WorkerState, ...]
+    order: OrderState | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RankState:

@@ -1,0 +1,63 @@
+"""The iterator ``iter(loader)`` returns, and the stream's lifecycle: how epochs and
+workers follow each other, and what an error does to the stream.
+
+NOTE [ Iterators continue the stream ]
+Every iterator of a loader reads the same stream. ``iter(loader)`` starts a new epoch
+only when the previous one ended (StopIteration); an epoch left half-read (a ``break``)
+continues where it stopped, so nothing is lost and an uninterrupted run behaves exactly
+like a saved and restored one. A restore moves the stream: a live iterator continues
+from the restored position (or stops, if the state lies between epochs).
+
+NOTE [ Errors stop the stream ]
+When the pipeline raises (an ERROR event, NOTE [ Pipeline errors ] in ``_events.py``) or
+anything else escapes torch's iterator, the loader stops the stream (workers, queues,
+command pipes) before the error reaches the user, and keeps its bookkeeping, which stands
+exactly after the last item handed on. It first asks the workers for checkpoints at that
+position (no request when nothing was handed on since the stream started: the start
+checkpoints still hold), so the loader is as if that position had been saved and
+restored: the next iteration starts fresh workers that replay up to it and retry the
+failing item, ``save_state_rank()`` saves it, and ``restore_state_rank()`` moves
+anywhere else. If the position cannot be had (a worker died or hung), the loader is
+*broken*: iterating or saving raises an error saying so, until a restore. An error from
+the pipeline is raised as :class:`DatasetError` naming the worker and the item, chained
+from the original exception (the object itself without workers; with workers a copy of
+its type, and the worker's traceback in the message, as torch does); the library's own
+errors (StateError, StorageError, ...) keep their type.
+NOTE [ Workers per epoch ]
+With ``persistent_workers=False`` (torch's default) the workers of an epoch stop when it
+ends and new ones start with the next, as with torch: each new worker starts from the
+checkpoint its predecessor took at the end of the epoch (``Checkpoint`` at the END
+event), exactly as after a restore between epochs, so the stream does not change. A
+loader reading a sampler (NOTE [ Samplers are sources ] in ``datasets/sampled.py``)
+starts its workers for every epoch whatever ``persistent_workers`` says, since each
+epoch's order travels with the pipeline to the workers; its workers' generators follow
+``persistent_workers`` all the same (NOTE [ Torch's worker seeds ] in ``_runtime.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+__all__ = ["LoaderIterator"]
+
+
+class _Stepping(Protocol):
+    def _next(self) -> Any: ...
+
+
+class LoaderIterator(Iterator[Any]):
+    """An iterator over a :class:`SavableDataLoader`'s stream for the current epoch."""
+
+    def __init__(self, loader: _Stepping) -> None:
+        self._loader = loader
+        self._done = False
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._loader._next()
+        except StopIteration:
+            self._done = True
+            raise

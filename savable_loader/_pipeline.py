@@ -1,0 +1,134 @@
+"""How the loader's arguments become its pipeline: the source, its batching, and what the
+main process draws at every epoch (NOTE [ Epoch orders ] in ``_sampling.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, default_collate, default_convert
+
+from ._sampling import EpochPlanner
+from .config import WorkerContext
+from .datasets.adapt import as_stage
+from .datasets.batch import Batch
+from .datasets.indexed import IndexedDataset, rank_batches
+from .datasets.sampled import SampledDataset
+from .datasets.stage import Stage
+from .errors import ConfigError
+
+__all__ = ["Pipeline", "build_pipeline"]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What the loader reads and how.
+
+    Attributes:
+        source: The pipeline as a stage (what ``SavableDataLoader.source`` shows).
+        root: ``source`` with its batching.
+        planner: Draws each epoch's base seed and order in the main process; None when
+            the loader draws nothing there (no ``sampler``, ``batch_sampler`` or
+            ``generator``).
+    """
+
+    source: Stage[Any]
+    root: Batch
+    planner: EpochPlanner | None
+
+    def batches(self, contexts: list[WorkerContext], *, drop_last: bool) -> int:
+        """Batches a rank yields per epoch over its workers' ``contexts``, for map-style
+        datasets (as ``len()`` of torch's ``DataLoader``).
+
+        Raises:
+            TypeError: The pipeline is iterable: its epoch ends when it does.
+        """
+        planner = self.planner
+        if planner is not None and planner.index_sampler is not None:
+            return len(planner.index_sampler)
+        if not isinstance(self.source, IndexedDataset):
+            raise TypeError(f"{self.source.describe()} has no len(); the epoch ends when it does")
+        return rank_batches(len(self.source.data), contexts, drop_last=drop_last)
+
+    @property
+    def sampled(self) -> bool:
+        """The order comes from a sampler read in the main process."""
+        return isinstance(self.source, SampledDataset)
+
+
+def _torch_probe(dataset: Any, **arguments: Any) -> DataLoader[Any]:
+    """Torch's own ``DataLoader`` over the same arguments: it refuses what torch refuses,
+    with torch's message (as a :class:`ConfigError`, which is a ``ValueError`` as torch's
+    is), and builds the sampler torch would read. Building it draws nothing."""
+    try:
+        return DataLoader(dataset, num_workers=0, **arguments)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def build_pipeline(
+    dataset: Any,
+    *,
+    batch_size: int | None,
+    shuffle: bool | None,
+    sampler: Any,
+    batch_sampler: Any,
+    drop_last: bool,
+    collate_fn: Callable[[Any], Any] | None,
+    generator: torch.Generator | None,
+    seed: int,
+    draws_every_epoch: bool,
+) -> Pipeline:
+    """Builds the loader's pipeline (NOTE [ Samplers are sources ] in ``datasets/sampled.py``).
+
+    Raises:
+        ValueError: Torch refuses the combination of arguments (torch's own message).
+        ConfigError: ``dataset`` cannot be read savably.
+    """
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ConfigError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    probe = _torch_probe(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        sampler=sampler,
+        batch_sampler=batch_sampler,
+        drop_last=drop_last,
+        generator=generator,
+    )
+    drawn = sampler is not None or batch_sampler is not None or generator is not None
+    source = as_stage(dataset, shuffle=None if drawn else shuffle, seed=seed)
+    if not drawn or not isinstance(source, IndexedDataset):
+        root = Batch(source, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn)
+        planner = None
+        if generator is not None:
+            planner = EpochPlanner(
+                None, generator, batched=False, draws_every_epoch=draws_every_epoch
+            )
+        return Pipeline(source, root, planner)
+    batched = probe.batch_sampler is not None
+    index_sampler = probe.batch_sampler if batched else probe.sampler
+    planner = EpochPlanner(
+        index_sampler, generator, batched=batched, draws_every_epoch=draws_every_epoch
+    )
+    sampled = SampledDataset(
+        dataset, order=planner.order, batched=batched, sampler=_describe(index_sampler)
+    )
+    collate = collate_fn or (default_collate if batched else default_convert)
+    return Pipeline(sampled, Batch(sampled, batch_size=None, collate_fn=collate), planner)
+
+
+def _describe(index_sampler: Any) -> str:
+    """What identifies the sampler in the pipeline's fingerprint."""
+    kind = type(index_sampler)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    inner = getattr(index_sampler, "sampler", None)
+    if inner is not None:
+        name += f"({type(inner).__module__}.{type(inner).__qualname__})"
+    for attribute in ("batch_size", "drop_last"):
+        value = getattr(index_sampler, attribute, None)
+        if isinstance(value, (bool, int)):
+            name += f" {attribute}={value}"
+    return name

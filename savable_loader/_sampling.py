@@ -1,0 +1,228 @@
+"""What the main process draws at the start of an epoch, as torch's ``DataLoader`` draws it.
+
+NOTE [ Epoch orders ]
+Torch's ``DataLoader`` draws from the loader's ``generator`` (the global torch generator
+when it is None) each time it builds an iterator: first the workers' base seed, then,
+as it reads the sampler, whatever the sampler draws (a ``RandomSampler`` draws from its
+own generator, which ``shuffle=True`` sets to the loader's, or seeds one from the global
+generator). It builds an iterator for every epoch, except with persistent workers,
+where only the first one is built. The :class:`EpochPlanner` makes the same draws at
+the start of each epoch, in the same order, and reads the whole sampler at once: the
+generators end the epoch where torch leaves them, and the epoch's index groups become
+the order of the pipeline's source (NOTE [ Samplers are sources ] in
+``datasets/sampled.py``).
+
+A sampler without a generator of its own draws from the process's global generators.
+The first draw of a loader is made on them, as torch makes it; every later draw continues
+from where the previous draw left the global generators' states, on a copy swapped in
+for the draw, so the data stream never depends on what the training loop draws between
+epochs (torch's would) and resumes exactly without restoring the training loop's
+generators. Give the sampler (or the loader) a ``generator=`` to own the order outright.
+
+The planner remembers the generators just before and just after the draw
+(:class:`~savable_loader.state.models.OrderState`), and a save carries them. A restore
+mid-epoch draws the epoch again from the state before, so the sampler gives the same
+order and the generators end where an uninterrupted run leaves them; a restore between
+epochs starts the next draw from the state after. The generators you passed (the
+loader's and the sampler's) take those states, as they would have in an uninterrupted
+run; the process's global generators are swapped in for that draw only and put back
+afterwards, so a restore never changes the training loop's own global generators.
+
+A sampler's own position rides along: its ``state_dict()`` when it has one, and the
+``epoch`` that ``DistributedSampler.set_epoch`` sets. An epoch resumed mid-way must be
+drawn with the epoch it was saved in: a different one is an error naming both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import rng
+from .datasets.sampled import EpochOrder
+from .errors import StateError, StateMismatchError
+from .plain import find_non_plain
+from .state.models import OrderSnapshot, OrderState, RngState
+
+__all__ = ["EpochPlanner"]
+
+
+def _generators(*objects: Any) -> list[torch.Generator]:
+    """The distinct torch generators of the loader and its sampler (and the sampler a
+    batch sampler wraps), in a fixed order."""
+    found: list[torch.Generator] = []
+    pending = list(objects)
+    while pending:
+        obj = pending.pop(0)
+        if obj is None:
+            continue
+        if isinstance(obj, torch.Generator):
+            if all(obj is not known for known in found):
+                found.append(obj)
+            continue
+        pending.append(getattr(obj, "generator", None))
+        inner = getattr(obj, "sampler", None)
+        if inner is not None and inner is not obj:
+            pending.append(inner)
+    return found
+
+
+class EpochPlanner:
+    """Draws each epoch's base seed and order in the main process (NOTE [ Epoch orders ]).
+
+    Args:
+        index_sampler: What torch would read indices from (the batch sampler with
+            automatic batching, else the sampler); None when the pipeline orders itself.
+        generator: The loader's ``generator`` argument.
+        batched: ``index_sampler`` yields batches of indices (automatic batching).
+        draws_every_epoch: Torch builds an iterator every epoch (no persistent workers).
+    """
+
+    def __init__(
+        self,
+        index_sampler: Any,
+        generator: torch.Generator | None,
+        *,
+        batched: bool,
+        draws_every_epoch: bool,
+    ) -> None:
+        self.index_sampler = index_sampler
+        self.generator = generator
+        self.draws_every_epoch = draws_every_epoch
+        self.batched = batched
+        self._generators = _generators(generator, index_sampler)
+        self.order = EpochOrder()
+        #: How the current epoch was drawn (None: no epoch drawn yet).
+        self.state: OrderState | None = None
+        #: After a restore: the snapshot the next draw starts from, and whether that
+        #: draw must be of the saved epoch (a mid-epoch restore).
+        self._pending: tuple[OrderSnapshot, int | None] | None = None
+
+    @property
+    def sampler(self) -> Any:
+        """The sampler whose ``state_dict``/``epoch`` is saved (inside a batch sampler)."""
+        inner = getattr(self.index_sampler, "sampler", None)
+        return inner if inner is not None else self.index_sampler
+
+    def needs_draw(self, epoch: int) -> bool:
+        """Whether epoch ``epoch``'s draws are still to make (not when workers restart
+        within an epoch whose order is drawn)."""
+        return self._pending is not None or self.state is None or self.state.epoch != epoch
+
+    def generator_before(self) -> torch.Generator | None:
+        """A copy of the loader's generator as it stood before the current epoch's draws
+        (None: the loader has no generator)."""
+        if self.generator is None:
+            return None
+        if self.state is None:
+            raise StateError("internal error: no draw yet; please report")
+        copy = torch.Generator()
+        data = self.state.before.generators[0]
+        copy.set_state(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return copy
+
+    def draw(self, epoch: int) -> int | None:
+        """Makes epoch ``epoch``'s draws; returns the workers' base seed, or None when torch
+        would not draw one for this epoch (persistent workers after the first)."""
+        pending, self._pending = self._pending, None
+        if pending is None and self.state is None:
+            # The first draw of a loader: on the process's generators, as torch draws.
+            before = self._snapshot(rng.capture().to_state())
+            base_seed, after = self._draw(epoch)
+        else:
+            # The global generators' part continues the previous draw, not the process.
+            before, must_be = pending or (self._snapshot(self._previous_after().rng), None)
+            saved = rng.capture()
+            try:
+                self._apply(before, must_be)
+                base_seed, after = self._draw(epoch)
+            finally:
+                rng.apply(saved)
+        self.state = OrderState(epoch=epoch, before=before, after=after)
+        return base_seed
+
+    def _previous_after(self) -> OrderSnapshot:
+        if self.state is None:
+            raise StateError("internal error: no previous draw; please report")
+        return self.state.after
+
+    def _draw(self, epoch: int) -> tuple[int | None, OrderSnapshot]:
+        base_seed = None
+        if self.draws_every_epoch or epoch == 0:
+            base_seed = int(
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+            )
+        if self.index_sampler is not None:
+            groups = list(_iterate(self.index_sampler))
+            self.order.epoch = epoch
+            fresh = EpochOrder.of(epoch, groups, batched=self.batched)
+            self.order.indices, self.order.offsets = fresh.indices, fresh.offsets
+        return base_seed, self._snapshot(rng.capture().to_state())
+
+    def restore(self, state: OrderState | None, *, epoch: int, between_epochs: bool) -> None:
+        """Makes the next draw continue ``state`` (None: from where things stand).
+
+        Raises:
+            StateError: ``state`` belongs to another epoch than the saved position.
+        """
+        self.state = state
+        if state is None:
+            self._pending = None
+            return
+        if state.epoch != epoch:
+            raise StateError(
+                f"the state's order was drawn for epoch {state.epoch} but its position "
+                f"stands in epoch {epoch}; restore a state as save_state_rank() returned it"
+            )
+        if len(state.before.generators) != len(self._generators):
+            raise StateMismatchError(
+                f"the state holds {len(state.before.generators)} generator states but this "
+                f"loader and its sampler have {len(self._generators)} generators; build the "
+                "loader with the same generator and sampler arguments as the saved one"
+            )
+        self._pending = (state.after, None) if between_epochs else (state.before, epoch)
+
+    def _snapshot(self, global_rng: RngState) -> OrderSnapshot:
+        """The generators now, with ``global_rng`` as the global generators' part."""
+        sampler = self.sampler
+        state_dict = getattr(sampler, "state_dict", None)
+        sampler_state = state_dict() if callable(state_dict) else None
+        problem = find_non_plain(sampler_state)
+        if problem is not None:
+            raise StateError(
+                f"{type(sampler).__name__}.state_dict() is not plain data ({problem}); a "
+                "sampler's state must be made of dict, list, str, int, float, bool, None, bytes"
+            )
+        epoch = getattr(sampler, "epoch", None)
+        return OrderSnapshot(
+            rng=global_rng,
+            generators=tuple(bytes(g.get_state().numpy().tobytes()) for g in self._generators),
+            sampler=sampler_state,
+            sampler_epoch=epoch if type(epoch) is int else None,
+        )
+
+    def _apply(self, snapshot: OrderSnapshot, must_be: int | None) -> None:
+        sampler = self.sampler
+        if must_be is not None and snapshot.sampler_epoch is not None:
+            current = getattr(sampler, "epoch", None)
+            if current != snapshot.sampler_epoch:
+                raise StateMismatchError(
+                    f"the sampler's epoch is {current} but the state was saved in its epoch "
+                    f"{snapshot.sampler_epoch}; call sampler.set_epoch("
+                    f"{snapshot.sampler_epoch}) before iterating, as the saved run did"
+                )
+        rng.apply(rng.RngSnapshot.from_state(snapshot.rng))
+        for generator, data in zip(self._generators, snapshot.generators, strict=True):
+            try:
+                generator.set_state(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            except RuntimeError as error:
+                raise StateError(f"a saved generator state does not fit: {error}") from None
+        load = getattr(sampler, "load_state_dict", None)
+        if snapshot.sampler is not None and callable(load):
+            load(snapshot.sampler)
+
+
+def _iterate(index_sampler: Any) -> Iterator[Any]:
+    yield from index_sampler

@@ -1,0 +1,191 @@
+"""``SampledDataset``: a map-style dataset read in the order a sampler gave.
+
+NOTE [ Samplers are sources ]
+A loader given ``sampler=``, ``batch_sampler=`` or ``generator=`` over a map-style
+dataset reads it as torch's ``DataLoader`` does: the main process draws the epoch's order
+from the sampler (``_sampling.py``), and the epoch's index groups (one per batch, or one
+index per item without automatic batching) are the order of this source. Group ``g``
+goes to worker ``g % W``, as torch hands index batches to its workers round-robin, and
+the loader takes the workers' batches round-robin, so the stream is torch's. The order
+reaches the workers in an :class:`EpochOrder` that travels with the pipeline when the
+workers start (the loader starts its workers for each epoch on this path); a cursor
+reads only the epoch its order holds.
+
+The cursor's state is the epoch and the number of this worker's groups already read:
+restoring it moves by arithmetic. Skipping fetches the skipped groups' items (without
+collating them) so that draws a dataset makes from the global generators stay exact;
+a restore skips only what the worker produced after its last checkpoint (NOTE
+[ Checkpoint policy ] in ``_ring.py``), never the sampler's order through the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from ..config import WorkerContext
+from ..errors import ConfigError, SavableLoaderError, StateError
+from .cursor import Cursor, StageState
+from .stage import Stage
+
+__all__ = ["EpochOrder", "SampledDataset"]
+
+
+@dataclass
+class EpochOrder:
+    """The index groups of one epoch of one rank, as the sampler gave them.
+
+    Attributes:
+        epoch: The loader epoch the groups belong to (-1: none drawn yet).
+        indices: Every index of the epoch, in order.
+        offsets: With automatic batching, group ``g`` is ``indices[offsets[g]:
+            offsets[g + 1]]``; None: every index is a group of its own (an item).
+    """
+
+    epoch: int = -1
+    indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    offsets: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, epoch: int, groups: list[Any], *, batched: bool) -> EpochOrder:
+        """Builds the order of ``epoch`` from what the sampler yielded."""
+        if not batched:
+            return cls(epoch, np.asarray([int(i) for i in groups], dtype=np.int64), None)
+        lengths = np.fromiter((len(group) for group in groups), dtype=np.int64, count=len(groups))
+        offsets = np.zeros(len(groups) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = [int(index) for group in groups for index in group]
+        return cls(epoch, np.asarray(flat, dtype=np.int64), offsets)
+
+    def __len__(self) -> int:
+        """Groups in the epoch."""
+        return len(self.indices) if self.offsets is None else len(self.offsets) - 1
+
+    def group(self, g: int) -> list[int] | int:
+        """Group ``g``: a list of indices, or one index without automatic batching."""
+        if self.offsets is None:
+            return int(self.indices[g])
+        return self.indices[self.offsets[g] : self.offsets[g + 1]].tolist()  # type: ignore[no-any-return]
+
+
+class _State(StageState):
+    """A sampled source's position."""
+
+    epoch: int = Field(ge=0, description="The epoch being read.")
+    pos: int = Field(ge=0, description="Groups of this worker's share already read in it.")
+
+
+class SampledDataset(Stage[Any]):
+    """Reads ``data`` in the order of the loader's sampler (NOTE [ Samplers are sources ]).
+
+    Built by ``SavableDataLoader`` when it is given ``sampler=``, ``batch_sampler=`` or
+    ``generator=`` over a map-style dataset; not meant to be built by hand.
+
+    Args:
+        data: The map-style dataset.
+        order: The holder of the current epoch's order, filled by the loader.
+        batched: The order's groups are batches (lists of indices); each group is then
+            read as the list of its items. Otherwise each group is one index, read as
+            its item.
+        sampler: What identifies the sampler in the pipeline's ``config()``.
+
+    State:
+        ``{"epoch": e, "pos": k}``: the epoch and the groups of this worker's share read
+        in it. Restore is O(1); skipping fetches the skipped items (NOTE [ Samplers are
+        sources ]). Not elastic: the order belongs to the sampler of each rank.
+    """
+
+    elastic_reason = "the order comes from each rank's own sampler, which cannot be split"
+
+    def __init__(self, data: Any, *, order: EpochOrder, batched: bool, sampler: str) -> None:
+        if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+            raise ConfigError(
+                f"a sampler needs a map-style dataset (__getitem__ and __len__); "
+                f"{type(data).__name__} lacks them"
+            )
+        self.data = data
+        self.order = order
+        self.batched = batched
+        self.sampler = sampler
+
+    def config(self) -> dict[str, Any]:
+        kind = type(self.data)
+        return {
+            "type": "SampledDataset",
+            "data": f"{kind.__module__}.{kind.__qualname__}",
+            "len": len(self.data),
+            "sampler": self.sampler,
+            "batched": self.batched,
+        }
+
+    def describe(self) -> str:
+        return f"SampledDataset({len(self.data)} items, {self.sampler})"
+
+    def cursor(self, context: WorkerContext) -> Cursor[Any]:
+        return _SampledCursor(self, context)
+
+
+class _SampledCursor(Cursor[Any]):
+    State = _State
+    stage_name = "SampledDataset"
+
+    def __init__(self, stage: SampledDataset, context: WorkerContext) -> None:
+        super().__init__(context)
+        self.stage = stage
+        self.epoch = 0
+        self.pos = 0
+        self.step = max(context.num_workers, 1)
+
+    def _share(self) -> int:
+        """Groups of the current epoch that fall to this worker."""
+        order = self.stage.order
+        if order.epoch != self.epoch:
+            raise SavableLoaderError(
+                f"internal error: the sampler's order is for epoch {order.epoch} but the "
+                f"reading stands in epoch {self.epoch}; please report"
+            )
+        return len(range(self.context.worker_id, len(order), self.step))
+
+    def _read(self, pos: int) -> Any:
+        group = self.stage.order.group(self.context.worker_id + pos * self.step)
+        data = self.stage.data
+        if isinstance(group, int):
+            return data[group]
+        return [data[index] for index in group]
+
+    def __next__(self) -> Any:
+        if self.pos >= self._share():
+            self.end_epoch()
+            raise StopIteration
+        item = self._read(self.pos)
+        self.pos += 1
+        return item
+
+    def own_state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def restore_own(self, state: Any | None) -> None:
+        position = state if isinstance(state, _State) else _State(epoch=0, pos=0)
+        self.epoch, self.pos = position.epoch, position.pos
+        if self.stage.order.epoch == self.epoch and self.pos > self._share():
+            raise StateError(
+                f"SampledDataset: position {self.pos} is past this worker's "
+                f"{self._share()} groups of epoch {self.epoch}; restore a state saved with "
+                "the same sampler"
+            )
+
+    def end_epoch(self) -> None:
+        self.epoch += 1
+        self.pos = 0
+
+    def skip_fast(self, n: int) -> int:
+        stop = min(self.pos + n, self._share())
+        for pos in range(self.pos, stop):
+            self._read(pos)
+        passed, self.pos = stop - self.pos, stop
+        if passed < n:
+            self.end_epoch()
+        return passed
