@@ -106,6 +106,9 @@ class RuntimeSpec:
         starts: How each worker starts; empty: every worker from the beginning.
         epoch: The loader epoch the workers start in (NOTE [ Generators per epoch ]).
         channel: The command channel, with workers.
+        dataset: What the user passed as ``dataset=``, an object of the pipeline above;
+            pickled with it, so in a worker it is the very object that worker's pipeline
+            reads (NOTE [ The worker's dataset ] in ``_torch_compat.py``).
     """
 
     root: Stage[Any]
@@ -119,6 +122,7 @@ class RuntimeSpec:
     starts: tuple[WorkerStart, ...] = ()
     epoch: int = 0
     channel: CommandChannel | None = field(default=None)
+    dataset: Any = None
 
     def context(self, worker_id: int) -> WorkerContext:
         """What worker ``worker_id``'s pipeline is told about where it runs."""

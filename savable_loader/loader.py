@@ -31,7 +31,7 @@ errors (StateError, StorageError, ...) keep their type.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,10 +42,11 @@ from ._book import Book
 from ._checks import check_arguments
 from ._compat import SavedStates, check_compatible, own_state, state_from_dict, state_key
 from ._events import END, ERROR, PLACEHOLDER, Failure
+from ._iteration import LoaderIterator
 from ._layout import Layout
 from ._runtime import RuntimeSpec
 from ._stream import Hang, Stream
-from ._worker import WorkerWrapper
+from ._worker import WorkerInit, WorkerWrapper
 from .config import WorkerConfig
 from .datasets.adapt import as_stage
 from .datasets.batch import Batch
@@ -85,7 +86,9 @@ class SavableDataLoader(DataLoader[Any]):
         pin_memory: As in ``DataLoader``.
         drop_last: Drop each worker's last incomplete batch of an epoch.
         timeout: As in ``DataLoader``.
-        worker_init_fn: As in ``DataLoader``; runs before the pipeline is restored.
+        worker_init_fn: As in ``DataLoader`` (``get_worker_info().dataset`` is this
+            worker's copy of ``dataset``; what it raises arrives as torch raises it); runs
+            before the pipeline is restored.
         multiprocessing_context: As in ``DataLoader`` (fork, forkserver, spawn).
         generator: Not supported (ConfigError): ``seed`` drives every random choice.
         prefetch_factor: As in ``DataLoader``.
@@ -148,6 +151,7 @@ class SavableDataLoader(DataLoader[Any]):
             batch_size=batch_size,
             checkpoint_share=self.worker_config.checkpoint_share,
             max_lag=prefetch * num_workers + 2,
+            dataset=dataset,
         )
         self._wrapper = WorkerWrapper(self._spec)
         super().__init__(
@@ -157,7 +161,7 @@ class SavableDataLoader(DataLoader[Any]):
             collate_fn=_identity,
             pin_memory=pin_memory,
             timeout=timeout,
-            worker_init_fn=worker_init_fn,
+            worker_init_fn=WorkerInit(worker_init_fn),
             multiprocessing_context=multiprocessing_context,
             generator=torch.Generator().manual_seed(
                 derive_seed(seed, self.rank, _BASE_SEED_PURPOSE)
@@ -186,7 +190,7 @@ class SavableDataLoader(DataLoader[Any]):
 
     # -- iteration --------------------------------------------------------------------
 
-    def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
+    def __iter__(self) -> LoaderIterator:  # type: ignore[override]
         """Returns an iterator over the stream (NOTE [ Iterators continue the stream ])."""
         self._check_usable()
         new_epoch = False
@@ -201,7 +205,7 @@ class SavableDataLoader(DataLoader[Any]):
                     raise
         if self._stream is None:
             self._start_stream(new_epoch=new_epoch)
-        return _LoaderIterator(self)
+        return LoaderIterator(self._next)
 
     def _start_stream(self, *, new_epoch: bool = False) -> None:
         self._spec.starts = self._book.starts(new_epoch=new_epoch)
@@ -296,9 +300,7 @@ class SavableDataLoader(DataLoader[Any]):
             if self._book != self._started:
                 if not ask:
                     raise WorkerError(f"hung worker(s) {list(hung)} cannot answer")
-                self._book.resume = list[Checkpoint | None](
-                    stream.checkpoints(self._book.delivered)
-                )
+                self._book.resume = stream.checkpoints(self._book.delivered)
         except Exception as error:  # a dead or hung worker: WorkerError, torch's RuntimeError
             self._broken = (
                 f"after an error the loader could not get its workers' checkpoints ({error}); "
@@ -481,20 +483,3 @@ class SavableDataLoader(DataLoader[Any]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _LoaderIterator(Iterator[Any]):
-    """An iterator over a :class:`SavableDataLoader`'s stream for the current epoch."""
-
-    def __init__(self, loader: SavableDataLoader) -> None:
-        self._loader = loader
-        self._done = False
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        try:
-            return self._loader._next()
-        except StopIteration:
-            self._done = True
-            raise
