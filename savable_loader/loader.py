@@ -76,7 +76,9 @@ class SavableDataLoader(DataLoader[Any]):
         dataset: A :class:`~savable_loader.SavableDataset`, a building block of
             :mod:`savable_loader.datasets`, an iterable with ``state_dict()``/
             ``load_state_dict()``, or a map-style dataset (``__getitem__`` + ``__len__``),
-            served through :class:`~savable_loader.datasets.IndexedDataset`.
+            served through :class:`~savable_loader.datasets.IndexedDataset`. Any other
+            ``IterableDataset`` iterates as with torch, but saving raises
+            :class:`~savable_loader.UnsavableDatasetError`.
         batch_size: Items per batch; None yields items one by one.
         shuffle: For map-style datasets: a new seeded permutation every epoch.
         sampler: Not supported (ConfigError): the order must be savable.
@@ -298,6 +300,7 @@ class SavableDataLoader(DataLoader[Any]):
             return self._broken
         try:
             if self._book != self._started:
+                self.layout.check_savable()  # no position to go back to
                 if not ask:
                     raise WorkerError(f"hung worker(s) {list(hung)} cannot answer")
                 self._book.resume = stream.checkpoints(self._book.delivered)
@@ -326,10 +329,13 @@ class SavableDataLoader(DataLoader[Any]):
 
         Raises:
             WorkerError: A worker is dead or did not answer within its command timeout.
+            UnsavableDatasetError: The dataset cannot save its position (an
+                ``IterableDataset`` without ``save_state``/``state_dict``).
             SavableLoaderError: The loader lost its position after an error and needs a
                 restore (NOTE [ Errors stop the stream ]).
         """
         self._check_usable()
+        self.layout.check_savable()
         return self._book.state(self._current_checkpoints(), self.layout)
 
     def _current_checkpoints(self) -> list[Checkpoint | None]:
