@@ -12,6 +12,7 @@ from .errors import (
     StateFormatError,
     StateMismatchError,
     StorageError,
+    UnsavableDatasetError,
     WorkerError,
 )
 from .loader import SavableDataLoader
@@ -30,6 +31,7 @@ __all__ = [
     "StateFormatError",
     "StateMismatchError",
     "StorageError",
+    "UnsavableDatasetError",
     "WorkerConfig",
     "WorkerContext",
     "WorkerError",

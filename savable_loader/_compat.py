@@ -130,7 +130,9 @@ def check_compatible(state: RankState, layout: Layout) -> None:
     Raises:
         StateFormatError: A counter no run can reach (a hand-edited or corrupted state).
         StateMismatchError: The state was saved by another pipeline or loader.
+        UnsavableDatasetError: The pipeline has no position to restore.
     """
+    layout.check_savable()
     _check_plausible(state)
     checks = [
         (

@@ -21,6 +21,19 @@ item, and would end the worker's iteration early, which the loader cannot tell a
 from an end of epoch. The exception object itself never crosses processes (a user's
 exception type need not pickle); only its type's name and plain arguments do, and the
 runtime is marked failed so that no checkpoint is ever taken of the broken state.
+
+NOTE [ worker_init_fn errors ]
+Torch calls ``worker_init_fn`` before it first iterates the wrapper, and when it raises,
+torch starts no iteration in that worker: no command thread, so the loader's watchdog
+would wait ``command_timeout`` for an answer. The loader's own ``worker_init_fn``
+(``WorkerInit`` in ``_worker.py``) therefore catches the user's exception and keeps it
+as a :class:`Failure` with ``in_init`` set; the wrapper then starts its command thread
+as usual (answering a save with the worker's start checkpoint: it produced nothing) and
+yields the failure as its first event. The loader raises it as torch does: an exception
+of the original type whose message is "Caught <Type> in DataLoader worker process <id>."
+followed by the worker's traceback, and keeps its position (NOTE [ Errors stop the
+stream ] in ``loader.py``), so iterating again starts the workers, and their
+``worker_init_fn``, anew.
 """
 
 from __future__ import annotations
@@ -73,6 +86,7 @@ class Failure:
         message: ``str()`` of the exception.
         text: The formatted traceback, causes included.
         error: The exception itself when it was raised in this process; None in a worker.
+        in_init: Raised by the user's ``worker_init_fn`` (NOTE [ worker_init_fn errors ]).
     """
 
     worker_id: int
@@ -84,10 +98,18 @@ class Failure:
     message: str
     text: str
     error: BaseException | None = None
+    in_init: bool = False
 
     @classmethod
     def of(
-        cls, error: Exception, worker_id: int, seq: int, *, starting: bool, in_main: bool
+        cls,
+        error: Exception,
+        worker_id: int,
+        seq: int,
+        *,
+        starting: bool,
+        in_main: bool,
+        in_init: bool = False,
     ) -> Failure:
         kind = type(error)
         args = error.args if all(isinstance(a, _PLAIN_ARGS) for a in error.args) else (str(error),)
@@ -101,6 +123,7 @@ class Failure:
             message=str(error),
             text="".join(traceback.format_exception(error)),
             error=error if in_main else None,
+            in_init=in_init,
         )
 
     def event(self) -> Event:
@@ -117,6 +140,8 @@ class Failure:
             epoch: The loader's epoch.
             lost: Why the loader lost its position, or None when it kept it.
         """
+        if self.in_init:
+            return self._as_torch_raises(lost)
         original = self.exception()
         where = f"worker {self.worker_id}" if in_worker else "the main process"
         doing = (
@@ -145,6 +170,32 @@ class Failure:
         error.__suppress_context__ = True
         return error
 
+    def _as_torch_raises(self, lost: str | None) -> BaseException:
+        """The original type with torch's message (NOTE [ worker_init_fn errors ])."""
+        message = (
+            f"Caught {self.type_name.rpartition('.')[2]} in DataLoader worker process "
+            f"{self.worker_id}.\nOriginal {self.text}"
+        )
+        if lost is not None:
+            message += f"\nThe loader cannot continue: {lost}."
+        kind = self._type()
+        if kind is not None and issubclass(kind, KeyError):
+            # KeyError's str() is the repr of its argument; keep the lines readable.
+            message = _KeyErrorMessage(message)
+        if kind is not None:
+            try:
+                return kind(message)
+            except Exception:  # a constructor with another signature
+                logger.debug("cannot build %s(message)", self.type_name)
+        return RuntimeError(message)
+
+    def _type(self) -> type[Exception] | None:
+        """The exception's type among modules already imported (never importing one)."""
+        kind: Any = sys.modules.get(self.type_module)
+        for part in self.type_name.split("."):
+            kind = getattr(kind, part, None)
+        return kind if isinstance(kind, type) and issubclass(kind, Exception) else None
+
     def exception(self) -> BaseException:
         """Returns the exception: itself in the main process, else a copy of its type.
 
@@ -154,15 +205,20 @@ class Failure:
         """
         if self.error is not None:
             return self.error
-        kind: Any = sys.modules.get(self.type_module)
-        for part in self.type_name.split("."):
-            kind = getattr(kind, part, None)
-        if isinstance(kind, type) and issubclass(kind, Exception):
+        kind = self._type()
+        if kind is not None:
             try:
                 return kind(*self.args)
             except Exception:  # a constructor with another signature
                 logger.debug("cannot rebuild %s%r", self.type_name, self.args)
         return RuntimeError(f"{self.type_name}: {self.message}")
+
+
+class _KeyErrorMessage(str):
+    """A message whose repr is itself, so that ``str(KeyError(message))`` shows it as is."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 class Progress:

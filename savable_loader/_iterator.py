@@ -36,28 +36,29 @@ epoch's order travels with the pipeline to the workers; its workers' generators 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["LoaderIterator"]
 
 
-class _Stepping(Protocol):
-    def _next(self) -> Any: ...
-
-
 class LoaderIterator(Iterator[Any]):
-    """An iterator over a :class:`SavableDataLoader`'s stream for the current epoch."""
+    """An iterator over a loader's stream for the current epoch (NOTE [ Iterators
+    continue the stream ]).
 
-    def __init__(self, loader: _Stepping) -> None:
-        self._loader = loader
+    Args:
+        next_item: The loader's next item; raises StopIteration when the epoch ends.
+    """
+
+    def __init__(self, next_item: Callable[[], Any]) -> None:
+        self._next_item = next_item
         self._done = False
 
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
         try:
-            return self._loader._next()
+            return self._next_item()
         except StopIteration:
             self._done = True
             raise

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .datasets.batch import Batch
+from .errors import UnsavableDatasetError
 from .state.fingerprint import fingerprint
 
 __all__ = ["Layout"]
@@ -42,6 +43,14 @@ class Layout:
         """The fingerprint a state of this loader carries (NOTE [ Pipeline fingerprint ]
         in ``state/fingerprint.py``)."""
         return self.fingerprint_for(self.num_workers)
+
+    def check_savable(self) -> None:
+        """Raises :class:`~savable_loader.UnsavableDatasetError` when a position in the
+        pipeline cannot be saved (NOTE [ Datasets without a position ] in
+        ``datasets/adapt.py``)."""
+        problem = self.root.not_savable()
+        if problem is not None:
+            raise UnsavableDatasetError(problem)
 
     def fingerprint_for(self, num_workers: int) -> str:
         """The fingerprint of this pipeline and loader had it ``num_workers`` workers."""

@@ -119,6 +119,9 @@ class RuntimeSpec:
             the base seed the loader's ``generator`` gave (NOTE [ Torch's worker seeds ]).
         fresh_seeds: With ``torch_seeds``: torch seeded these workers for the epoch they
             start in (it drew a new base seed), rather than their generators continuing.
+        dataset: What the user passed as ``dataset=``, an object of the pipeline above;
+            pickled with it, so in a worker it is the very object that worker's pipeline
+            reads (NOTE [ The worker's dataset ] in ``_torch_compat.py``).
     """
 
     root: Stage[Any]
@@ -134,6 +137,7 @@ class RuntimeSpec:
     channel: CommandChannel | None = field(default=None)
     torch_seeds: bool = False
     fresh_seeds: bool = True
+    dataset: Any = None
 
     def context(self, worker_id: int) -> WorkerContext:
         """What worker ``worker_id``'s pipeline is told about where it runs."""

@@ -219,8 +219,9 @@ class Stream:
             is_alive=lambda w: _torch_compat.worker_alive(iterator, w),
         )
 
-    def checkpoints(self, delivered: Sequence[int]) -> list[Checkpoint]:
-        """Every worker's newest checkpoint at or before its ``delivered`` position.
+    def checkpoints(self, delivered: Sequence[int]) -> list[Checkpoint | None]:
+        """Every worker's newest checkpoint at or before its ``delivered`` position (None:
+        the pipeline's initial state, from a worker whose ``worker_init_fn`` raised).
 
         Raises:
             WorkerError: A worker is dead or did not answer within its command timeout.
@@ -231,7 +232,7 @@ class Stream:
                 raise WorkerError("internal error: the pipeline has not started; please report")
             return [runtime.checkpoint_for(delivered[0])]
         answers = self._request("checkpoint", [{"delivered": d} for d in delivered])
-        return [Checkpoint.model_validate(answer) for answer in answers]
+        return [None if a is None else Checkpoint.model_validate(a) for a in answers]
 
     def stats(self) -> list[dict[str, Any]]:
         """Every worker's figures (``PipelineRuntime.stats``)."""

@@ -38,6 +38,15 @@ the lock as usual (live workers hold the semaphore for a moment inside their own
 most ``_LOCK_WAIT`` seconds and then reads or sets the semaphore without it: nobody waits
 on the condition (workers poll), so nothing needs the notification the lock protects.
 Live workers stuck on the lock are terminated by torch's shutdown after its join timeout.
+
+NOTE [ The worker's dataset ]
+Torch builds a worker's ``WorkerInfo`` with ``dataset=`` what it iterates (the worker
+wrapper) right before it calls ``worker_init_fn``, and ``get_worker_info()`` returns that
+same object for the rest of the worker's life. ``WorkerInfo`` refuses attribute
+assignment (a frozen dataclass in recent torch, a guarded ``__setattr__`` before), so
+:func:`set_worker_dataset` writes the attribute with ``object.__setattr__``, from the
+loader's own ``worker_init_fn`` (``_worker.py``): from then on ``worker_info.dataset`` is
+the user's dataset, inside the user's ``worker_init_fn`` and during iteration.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ __all__ = [
     "is_timeout",
     "kill_worker",
     "remove_leaked_shared_memory",
+    "set_worker_dataset",
     "unblock_done_event",
     "worker_alive",
     "worker_count",
@@ -233,6 +243,12 @@ def unblock_done_event(iterator: Any) -> None:
     event = getattr(iterator, "_workers_done_event", None)
     if event is not None and not isinstance(event, _DoneFlag) and hasattr(event, "_flag"):
         iterator._workers_done_event = _DoneFlag(event)
+
+
+def set_worker_dataset(info: Any, dataset: Any) -> None:
+    """Makes ``info.dataset`` (``info`` is this worker's ``get_worker_info()``) be
+    ``dataset`` (NOTE [ The worker's dataset ])."""
+    object.__setattr__(info, "dataset", dataset)
 
 
 def worker_pids(iterator: Any) -> list[int]:

@@ -5,22 +5,29 @@ worker process (or in the main process without workers) the wrapper starts one
 :class:`~savable_loader._runtime.PipelineRuntime` on first use and, with workers, the
 command thread that answers the loader's saves (NOTE [ Command channel ] in
 ``_commands.py``); every ``iter()`` torch makes of it is one epoch of that runtime's
-events (NOTE [ Events ] in ``_events.py``).
+events (NOTE [ Events ] in ``_events.py``). Torch calls :class:`WorkerInit` as the
+worker's ``worker_init_fn``: it shows the user's dataset to ``get_worker_info()`` (NOTE
+[ The worker's dataset ] in ``_torch_compat.py``) and runs the user's ``worker_init_fn``
+(NOTE [ worker_init_fn errors ] in ``_events.py``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from . import _torch_compat
 from ._commands import CommandServer
 from ._events import IDLE, PRODUCING, STARTING, Event, Failure, Progress
-from ._runtime import PipelineRuntime, RuntimeSpec
+from ._runtime import PipelineRuntime, RuntimeSpec, WorkerStart
+from .errors import WorkerError
 
-__all__ = ["WorkerWrapper"]
+__all__ = ["WorkerInit", "WorkerWrapper"]
 
 _WORKER_SWITCH_INTERVAL = 0.001
 
@@ -36,8 +43,16 @@ class WorkerWrapper(IterableDataset[Event]):
         self.spec = spec
         self.runtime: PipelineRuntime | None = None
         self.progress = Progress()
+        #: What the user's ``worker_init_fn`` raised in this worker, if it did.
+        self.init_failure: Failure | None = None
+        self._serving = False
 
     def __iter__(self) -> Iterator[Event]:
+        if self.init_failure is not None:
+            self.progress.enter(IDLE, 0)
+            if not self._serving:
+                self._serve_failed_init()
+            return iter((self.init_failure.event(),))
         try:
             if self.runtime is None:
                 self.progress.enter(STARTING, 0)
@@ -63,9 +78,41 @@ class WorkerWrapper(IterableDataset[Event]):
     def _start_failure(self, error: Exception) -> Event:
         info = get_worker_info()
         worker_id = info.id if info is not None else 0
-        starts = self.spec.starts
-        seq = starts[worker_id].delivered if starts else 0
+        seq = self._start_of(worker_id).delivered
         return Failure.of(error, worker_id, seq, starting=True, in_main=info is None).event()
+
+    def _start_of(self, worker_id: int) -> WorkerStart:
+        return self.spec.starts[worker_id] if self.spec.starts else WorkerStart()
+
+    def _serve_failed_init(self) -> None:
+        """Answers commands in a worker whose ``worker_init_fn`` raised (NOTE
+        [ worker_init_fn errors ] in ``_events.py``): it stands at its start."""
+        info = get_worker_info()
+        channel = self.spec.channel
+        self._serving = True
+        if info is None or channel is None:
+            return
+        start = self._start_of(info.id)
+
+        def checkpoint(args: dict[str, Any]) -> Any:
+            if args["delivered"] != start.delivered:
+                raise WorkerError(
+                    f"worker {info.id} failed in worker_init_fn and stands at "
+                    f"{start.delivered}, not {args['delivered']}"
+                )
+            return None if start.checkpoint is None else start.checkpoint.model_dump()
+
+        server = CommandServer(
+            channel.commands[info.id],
+            channel.results[info.id],
+            {
+                "checkpoint": checkpoint,
+                "stats": lambda args: {"pid": os.getpid(), "seq": start.delivered},
+            },
+            immediate={"progress": lambda args: self.progress.report()},
+        )
+        server.start()
+        server.ready()
 
     def _start(self) -> PipelineRuntime:
         info = get_worker_info()
@@ -97,3 +144,35 @@ class WorkerWrapper(IterableDataset[Event]):
             raise
         server.ready()
         return holder[0]
+
+
+class WorkerInit:
+    """What torch calls as ``worker_init_fn`` in every worker of a loader.
+
+    It makes ``get_worker_info().dataset`` the user's dataset (NOTE [ The worker's
+    dataset ] in ``_torch_compat.py``), then runs the user's ``worker_init_fn`` and keeps
+    what it raises for the wrapper to report (NOTE [ worker_init_fn errors ] in
+    ``_events.py``).
+
+    Args:
+        user_fn: The user's ``worker_init_fn``, or None.
+    """
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        info = get_worker_info()
+        wrapper = info.dataset if info is not None else None
+        if not isinstance(wrapper, WorkerWrapper):
+            raise WorkerError(f"internal error: the worker iterates {wrapper!r}; please report")
+        _torch_compat.set_worker_dataset(info, wrapper.spec.dataset)
+        if self.user_fn is None:
+            return
+        try:
+            self.user_fn(worker_id)
+        except Exception as error:
+            seq = wrapper._start_of(worker_id).delivered
+            wrapper.init_failure = Failure.of(
+                error, worker_id, seq, starting=True, in_main=False, in_init=True
+            )

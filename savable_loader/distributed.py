@@ -50,6 +50,7 @@ from .errors import (
     StateFormatError,
     StateMismatchError,
     StorageError,
+    UnsavableDatasetError,
     WorkerError,
 )
 from .state.models import RankState, one_save
@@ -82,6 +83,7 @@ _ERRORS: dict[str, type[SavableLoaderError]] = {
         StateFormatError,
         StateMismatchError,
         StorageError,
+        UnsavableDatasetError,
         WorkerError,
     )
 }

@@ -18,6 +18,7 @@ __all__ = [
     "StateFormatError",
     "StateMismatchError",
     "StorageError",
+    "UnsavableDatasetError",
     "WorkerError",
 ]
 
@@ -28,6 +29,13 @@ class SavableLoaderError(Exception):
 
 class ConfigError(SavableLoaderError, ValueError):
     """An argument cannot be honoured exactly (for example ``in_order=False``)."""
+
+
+class UnsavableDatasetError(ConfigError):
+    """A save (or a restore of a saved state) of a loader whose dataset cannot save its
+    position: an ``IterableDataset`` with neither ``save_state()``/``restore_state()`` nor
+    ``state_dict()``/``load_state_dict()``. Iterating such a loader works as with torch's
+    ``DataLoader``; the message names the dataset and what to add."""
 
 
 class StateError(SavableLoaderError):

@@ -25,7 +25,7 @@ from ._layout import Layout
 from ._pipeline import build_pipeline
 from ._runtime import RuntimeSpec
 from ._stream import Hang, Stream
-from ._worker import WorkerWrapper
+from ._worker import WorkerInit, WorkerWrapper
 from .config import WorkerConfig
 from .errors import SavableLoaderError, WorkerError
 from .rng import derive_seed
@@ -52,7 +52,9 @@ class SavableDataLoader(DataLoader[Any]):
         dataset: A :class:`~savable_loader.SavableDataset`, a building block of
             :mod:`savable_loader.datasets`, an iterable with ``state_dict()``/
             ``load_state_dict()``, or a map-style dataset (``__getitem__`` + ``__len__``),
-            served through :class:`~savable_loader.datasets.IndexedDataset`.
+            served through :class:`~savable_loader.datasets.IndexedDataset`. Any other
+            ``IterableDataset`` iterates as with torch, but saving raises
+            :class:`~savable_loader.UnsavableDatasetError`.
         batch_size: Items per batch; None yields items one by one.
         shuffle: For map-style datasets: a new permutation every epoch, drawn from
             ``seed`` (from ``generator`` as torch does, when one is given).
@@ -64,7 +66,9 @@ class SavableDataLoader(DataLoader[Any]):
         pin_memory: As in ``DataLoader``.
         drop_last: Drop each worker's last incomplete batch of an epoch.
         timeout: As in ``DataLoader``.
-        worker_init_fn: As in ``DataLoader``; runs before the pipeline is restored.
+        worker_init_fn: As in ``DataLoader`` (``get_worker_info().dataset`` is this
+            worker's copy of ``dataset``; what it raises arrives as torch raises it); runs
+            before the pipeline is restored.
         multiprocessing_context: As in ``DataLoader`` (fork, forkserver, spawn).
         generator: As in ``DataLoader``: drives ``shuffle=True`` (torch's ``RandomSampler``)
             and the workers' base seeds; its state is part of the saved state.
@@ -143,6 +147,7 @@ class SavableDataLoader(DataLoader[Any]):
             checkpoint_share=self.worker_config.checkpoint_share,
             max_lag=prefetch * num_workers + 2,
             torch_seeds=generator is not None,
+            dataset=dataset,
         )
         self._wrapper = WorkerWrapper(self._spec)
         super().__init__(
@@ -152,7 +157,7 @@ class SavableDataLoader(DataLoader[Any]):
             collate_fn=_identity,
             pin_memory=pin_memory,
             timeout=timeout,
-            worker_init_fn=worker_init_fn,
+            worker_init_fn=WorkerInit(worker_init_fn),
             multiprocessing_context=multiprocessing_context,
             generator=torch.Generator().manual_seed(
                 derive_seed(seed, self.rank, _BASE_SEED_PURPOSE)
@@ -198,7 +203,7 @@ class SavableDataLoader(DataLoader[Any]):
                     raise
         if self._stream is None:
             self._start_stream(new_epoch=new_epoch)
-        return LoaderIterator(self)
+        return LoaderIterator(self._next)
 
     def _start_stream(self, *, new_epoch: bool = False) -> None:
         self._spec.starts = self._book.starts(new_epoch=new_epoch)
@@ -300,11 +305,10 @@ class SavableDataLoader(DataLoader[Any]):
             return self._broken
         try:
             if self._book != self._started:
+                self.layout.check_savable()  # no position to go back to
                 if not ask:
                     raise WorkerError(f"hung worker(s) {list(hung)} cannot answer")
-                self._book.resume = list[Checkpoint | None](
-                    stream.checkpoints(self._book.delivered)
-                )
+                self._book.resume = stream.checkpoints(self._book.delivered)
         except Exception as error:  # a dead or hung worker: WorkerError, torch's RuntimeError
             self._broken = (
                 f"after an error the loader could not get its workers' checkpoints ({error}); "
@@ -330,10 +334,13 @@ class SavableDataLoader(DataLoader[Any]):
 
         Raises:
             WorkerError: A worker is dead or did not answer within its command timeout.
+            UnsavableDatasetError: The dataset cannot save its position (an
+                ``IterableDataset`` without ``save_state``/``state_dict``).
             SavableLoaderError: The loader lost its position after an error and needs a
                 restore (NOTE [ Errors stop the stream ]).
         """
         self._check_usable()
+        self.layout.check_savable()
         order = None if self._planner is None else self._planner.state
         return self._book.state(self._current_checkpoints(), self.layout, order)
 

@@ -249,13 +249,15 @@ def test_shuffle_with_an_iterable_dataset_is_refused_as_torch_refuses_it():
     assert str(ours.value) == str(torchs.value)
 
 
-def test_plain_iterable_dataset_is_refused_with_a_hint():
+def test_plain_iterable_dataset_iterates_and_refuses_to_save_with_a_hint():
     class Plain(IterableDataset):
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(ConfigError, match="SavableDataset"):
-        SavableDataLoader(Plain())
+    with SavableDataLoader(Plain()) as loader:
+        assert [b.tolist() for b in loader] == [[0], [1], [2]]
+        with pytest.raises(ConfigError, match="SavableDataset"):
+            loader.save_state_rank()
 
 
 def test_config_must_be_plain_data():

@@ -19,6 +19,7 @@ def test_all_is_sorted_and_pinned():
         "StateFormatError",
         "StateMismatchError",
         "StorageError",
+        "UnsavableDatasetError",
         "WorkerConfig",
         "WorkerContext",
         "WorkerError",
@@ -43,6 +44,7 @@ def test_error_hierarchy():
     assert issubclass(errors.ConfigError, ValueError)
     assert issubclass(errors.WorkerError, RuntimeError)
     assert issubclass(errors.StateMismatchError, errors.StateError)
+    assert issubclass(errors.UnsavableDatasetError, errors.ConfigError)
 
 
 def test_datasets_all_is_sorted_and_pinned():

@@ -235,3 +235,50 @@ def test_replay_past_the_end():
     cursor.restore({**state, "consumed": 9})
     with pytest.raises(StateError, match="ended after 4 of the 9 items"):
         next(cursor)
+
+
+class _MapStyleWithState(torch.utils.data.Dataset):
+    """A map-style dataset that also has torch's Stateful methods (issue 13)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.loaded: Any = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index * 10
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+@pytest.mark.parametrize("shuffle", [None, False, True])
+def test_map_style_dataset_with_state_dict_is_served_as_map_style(shuffle):
+    from torch.utils.data import DataLoader
+
+    from savable_loader.datasets import IndexedDataset, as_stage
+
+    data = _MapStyleWithState(10)
+    assert isinstance(as_stage(data, shuffle=shuffle), IndexedDataset)
+    with SavableDataLoader(data, batch_size=3, shuffle=shuffle) as loader:
+        assert isinstance(loader.source, IndexedDataset)
+        assert len(loader) == 4
+        iterator = iter(loader)
+        head = next(iterator).tolist()
+        state = loader.save_state_rank()
+        tail = [b.tolist() for b in iterator]
+    items = head + [x for b in tail for x in b]
+    if shuffle:
+        assert sorted(items) == [i * 10 for i in range(10)]
+        assert items != sorted(items)
+    else:
+        assert [head, *tail] == [b.tolist() for b in DataLoader(data, batch_size=3)]
+    with SavableDataLoader(_MapStyleWithState(10), batch_size=3, shuffle=shuffle) as resumed:
+        resumed.restore_state_rank(state)
+        assert [b.tolist() for b in resumed] == tail
+    assert data.loaded is None  # the indexed source saves the position, not the dataset

@@ -164,3 +164,33 @@ def test_shared_memory_files_of_stopped_workers_are_removed(tmp_path):
     removed = _torch_compat.remove_leaked_shared_memory([111], folder=str(tmp_path))
     assert sorted(os.path.basename(p) for p in removed) == ["torch_111_1_0", "torch_111_2_5"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other_111", "torch_222_1_0"]
+
+
+class _Marker:
+    pass
+
+
+def _show_marker(worker_id):
+    info = get_worker_info()
+    assert type(info.dataset).__name__ == "_WhoIsTheDataset"
+    _torch_compat.set_worker_dataset(info, _Marker())
+    assert isinstance(get_worker_info().dataset, _Marker)
+
+
+class _WhoIsTheDataset(IterableDataset):
+    def __iter__(self):
+        return iter([type(get_worker_info().dataset).__name__])
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_worker_info_is_built_before_worker_init_fn_and_its_dataset_can_be_replaced(context):
+    """NOTE [ The worker's dataset ]: the info ``worker_init_fn`` sees is the one the
+    dataset's ``__iter__`` sees, and ``set_worker_dataset`` replaces its ``dataset``."""
+    loader = DataLoader(
+        _WhoIsTheDataset(),
+        batch_size=None,
+        num_workers=1,
+        worker_init_fn=_show_marker,
+        multiprocessing_context=context,
+    )
+    assert list(loader) == ["_Marker"]

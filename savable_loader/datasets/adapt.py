@@ -15,6 +15,17 @@ reading at a time; where the library needs another reading of the same pipeline 
 approximate elastic restore computing where an epoch starts), it copies the pipeline
 first.
 
+NOTE [ Datasets without a position ]
+A plain ``IterableDataset`` (no ``save_state``/``restore_state``, no ``state_dict``/
+``load_state_dict``) is read as torch's ``DataLoader`` reads it: ``iter(dataset)`` every
+epoch, in each worker over that worker's copy (so sharding with ``get_worker_info()``
+works), batched in the worker. Its cursor's own state is None, so the workers'
+checkpoints keep working, but no position can be restored from it: the loader refuses
+to save (``Stage.not_savable``, raised by the loader as ``UnsavableDatasetError`` naming
+the dataset and what to add) and, after an error, restarts nothing but says that it lost
+its position. Switching a ``DataLoader`` to ``SavableDataLoader`` therefore works before
+the dataset is made savable.
+
 NOTE [ A dataset's skip ]
 A ``SavableDataset`` may define ``skip(n)`` to pass ``n`` items faster than reading them
 (exactly as reading would, draws from the global generators included). The cursor
@@ -36,14 +47,14 @@ from typing import Any, TypeVar
 from torch.utils.data import IterableDataset
 
 from ..config import WorkerContext
-from ..errors import ConfigError, SavableLoaderError
+from ..errors import ConfigError, SavableLoaderError, UnsavableDatasetError
 from .base import SavableDataset
 from .cursor import Cursor
 from .indexed import IndexedDataset
 from .stage import Stage
 from .stateful import StatefulDataset, is_stateful
 
-__all__ = ["DatasetStage", "as_stage", "is_savable"]
+__all__ = ["DatasetStage", "UnsavableStage", "as_stage", "is_savable"]
 
 T = TypeVar("T")
 
@@ -69,7 +80,8 @@ def as_stage(obj: Any, *, shuffle: bool | None = None, seed: int = 0) -> Stage[A
     """Returns ``obj`` as a stage (see the module docstring).
 
     Args:
-        obj: A stage, a ``SavableDataset``, a Stateful iterable or a map-style dataset.
+        obj: A stage, a ``SavableDataset``, a Stateful iterable, a map-style dataset or
+            any other ``IterableDataset`` (NOTE [ Datasets without a position ]).
         shuffle: For a map-style dataset: a new seeded permutation every epoch.
         seed: Seed of that permutation.
 
@@ -87,11 +99,7 @@ def as_stage(obj: Any, *, shuffle: bool | None = None, seed: int = 0) -> Stage[A
     elif is_stateful(obj):
         stage = StatefulDataset(obj)
     elif isinstance(obj, IterableDataset):
-        raise ConfigError(
-            f"{type(obj).__name__} is an IterableDataset without save_state()/"
-            "restore_state() or state_dict()/load_state_dict(); subclass "
-            "savable_loader.SavableDataset so its position can be saved"
-        )
+        stage = UnsavableStage(obj)
     else:
         raise ConfigError(
             f"{type(obj).__name__} is neither a SavableDataset, a Stateful iterable nor a "
@@ -188,7 +196,18 @@ class _DatasetCursor(Cursor[T]):
         self.dataset.restore_state(copy.deepcopy(state))
 
     def skip_fast(self, n: int) -> int | None:
-        """The dataset's own ``skip`` when it counts (NOTE [ A dataset's skip ])."""
+        """The dataset's own ``skip`` when it counts (NOTE [ Datasets without a position ]
+        A plain ``IterableDataset`` (no ``save_state``/``restore_state``, no ``state_dict``/
+        ``load_state_dict``) is read as torch's ``DataLoader`` reads it: ``iter(dataset)`` every
+        epoch, in each worker over that worker's copy (so sharding with ``get_worker_info()``
+        works), batched in the worker. Its cursor's own state is None, so the workers'
+        checkpoints keep working, but no position can be restored from it: the loader refuses
+        to save (``Stage.not_savable``, raised by the loader as ``UnsavableDatasetError`` naming
+        the dataset and what to add) and, after an error, restarts nothing but says that it lost
+        its position. Switching a ``DataLoader`` to ``SavableDataLoader`` therefore works before
+        the dataset is made savable.
+
+        NOTE [ A dataset's skip ])."""
         skip = getattr(self.dataset, "skip", None)
         if self._items is not None or not callable(skip):
             return None
@@ -203,3 +222,42 @@ class _DatasetCursor(Cursor[T]):
                 f"it passed, 0 to {n}"
             )
         return passed
+
+
+class UnsavableStage(DatasetStage[T]):
+    """A stage over an ``IterableDataset`` that cannot save its position (NOTE [ Datasets
+    without a position ]): it reads as torch reads it; a save raises.
+
+    Args:
+        dataset: The dataset; its cursor reads this object itself.
+
+    State:
+        None: there is no position to save. Restoring None starts a new iteration.
+    """
+
+    def not_savable(self) -> str:
+        kind = type(self.dataset)
+        return (
+            f"{kind.__module__}.{kind.__qualname__} is an IterableDataset without a savable "
+            "position, so this loader can iterate it but not save or restore where it "
+            "stands; make it savable: subclass savable_loader.SavableDataset and add "
+            "save_state()/restore_state() (plain data: where its iteration stands), or give "
+            "it state_dict()/load_state_dict()"
+        )
+
+    def cursor(self, context: WorkerContext) -> Cursor[T]:
+        return _UnsavableCursor(self.dataset, context)
+
+
+class _UnsavableCursor(_DatasetCursor[T]):
+    stage_name = "UnsavableStage"
+
+    def own_state(self) -> Any:
+        return None
+
+    def restore_own(self, state: Any | None) -> None:
+        if state is not None:
+            raise UnsavableDatasetError(
+                f"{self.name} has no savable position; it can only start over (state None)"
+            )
+        self._items = None

@@ -114,6 +114,15 @@ class Stage(IterableDataset[T], abc.ABC):
                 return problem
         return None
 
+    def not_savable(self) -> str | None:
+        """Why a position in this pipeline cannot be saved (naming the dataset and what
+        to add to it), or None when every stage of it can save its position."""
+        for child in self.children:
+            problem = child.not_savable()
+            if problem is not None:
+                return problem
+        return None
+
     def __iter__(self) -> Iterator[T]:
         info = get_worker_info()
         worker_id, workers = (info.id, info.num_workers) if info is not None else (0, 0)
