@@ -49,7 +49,7 @@ from ._worker import WorkerWrapper
 from .config import WorkerConfig
 from .datasets.adapt import as_stage
 from .datasets.batch import Batch
-from .datasets.indexed import IndexedDataset, rank_batches
+from .datasets.indexed import IndexedDataset
 from .errors import SavableLoaderError, WorkerError
 from .rng import derive_seed
 from .state.files import encode_state
@@ -260,7 +260,7 @@ class SavableDataLoader(DataLoader[Any]):
         if not isinstance(self.source, IndexedDataset):
             raise TypeError(f"{self.source.describe()} has no len(); the epoch ends when it does")
         contexts = [self._spec.context(w) for w in range(max(self.num_workers, 1))]
-        return rank_batches(len(self.source.data), contexts, drop_last=self.drop_last)
+        return self.source.rank_batches(contexts, drop_last=self.drop_last)
 
     # -- faults (NOTE [ Errors stop the stream ]) -------------------------------------
 
