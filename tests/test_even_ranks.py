@@ -223,3 +223,48 @@ def test_elastic_rest_of_a_cut_epoch_is_cut_for_the_new_ranks():
     rests = _rest(11, states, 4, 0, "drop")
     assert consumed == [0, 2, 4, 6]
     assert rests == [[1], [3], [5], [7]]
+
+
+def _jsonl_files(folder: Any, count: int) -> str:
+    for file in range(count):
+        (folder / f"part-{file}.jsonl").write_text(f'{{"id": {file}}}\n')
+    return str(folder / "*.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("ranks", "workers", "rank", "named"),
+    [
+        (2, 2, 1, "rank 1 worker 1"),  # streams 0, 1, 2 read; rank 1's worker 1 not
+        (2, 2, 0, "rank 1 worker 1"),  # rank 0 has files but refuses too: no hang
+        (4, 0, 3, "rank 3 worker 0"),
+        (1, 4, 0, "rank 0 worker 3"),
+    ],
+)
+def test_a_file_source_with_more_streams_than_files_is_refused_when_built(
+    tmp_path, ranks, workers, rank, named
+):
+    from savable_loader.datasets import JsonLinesSource
+
+    source = JsonLinesSource(_jsonl_files(tmp_path, 3))
+    with pytest.raises(ConfigError) as info:
+        SavableDataLoader(
+            source,
+            batch_size=None,
+            num_workers=workers,
+            worker_config=WorkerConfig(rank=rank, world_size=ranks),
+        )
+    message = str(info.value)
+    assert named in message
+    assert f"3 files for {ranks * max(workers, 1)} streams" in message
+    assert "use at most 3 streams" in message
+
+
+def test_a_blend_checks_each_of_its_sources(tmp_path):
+    from savable_loader.datasets import JsonLinesSource
+
+    files = JsonLinesSource(_jsonl_files(tmp_path, 1))
+    blend = IndexedDataset(list(range(10))).blend([files], weights=[1, 1], seed=0)
+    with pytest.raises(ConfigError, match="rank 0 worker 1 would read no file"):
+        SavableDataLoader(blend, batch_size=None, num_workers=2)
+    with SavableDataLoader(blend, batch_size=None, num_workers=0) as loader:
+        assert len(list(loader)) > 0
