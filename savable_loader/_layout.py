@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .config import WorkerContext
 from .datasets.batch import Batch
 from .errors import UnsavableDatasetError
 from .state.fingerprint import fingerprint
@@ -18,6 +19,8 @@ __all__ = ["Layout"]
 @dataclass(frozen=True)
 class Layout:
     """What a state is checked against and resharded for.
+
+    Building it checks that every stream of the job gets data (``Stage.check_layout``).
 
     Attributes:
         root: The loader's pipeline with its batching.
@@ -32,6 +35,12 @@ class Layout:
     rank: int
     world_size: int
     num_workers: int
+
+    def __post_init__(self) -> None:
+        context = WorkerContext(
+            self.rank, self.world_size, 0, self.num_workers, self.seed, self.batch_size
+        )
+        self.root.check_layout(context)
 
     @property
     def batch_size(self) -> int | None:

@@ -14,7 +14,7 @@ from ._sampling import EpochPlanner
 from .config import WorkerContext
 from .datasets.adapt import as_stage
 from .datasets.batch import Batch
-from .datasets.indexed import IndexedDataset, rank_batches
+from .datasets.indexed import IndexedDataset
 from .datasets.sampled import SampledDataset
 from .datasets.stage import Stage
 from .errors import ConfigError
@@ -50,7 +50,7 @@ class Pipeline:
             return len(planner.index_sampler)
         if not isinstance(self.source, IndexedDataset):
             raise TypeError(f"{self.source.describe()} has no len(); the epoch ends when it does")
-        return rank_batches(len(self.source.data), contexts, drop_last=drop_last)
+        return self.source.rank_batches(contexts, drop_last=drop_last)
 
     @property
     def sampled(self) -> bool:

@@ -3,7 +3,10 @@
 Ranks are simulated with explicit ``WorkerConfig(rank=r, world_size=R)`` loaders, which
 iterate without torch.distributed; ``tests/test_elastic_distributed.py`` runs real ranks.
 Items are dataset indices, so the accounting is exact: what the old layout consumed plus
-what the new one delivers in the rest of the epoch is every item of the epoch once.
+what the new one delivers in the rest of the epoch is every position of the old layout's
+epoch once (``N`` items padded to a multiple of its ranks, the first items of the order
+coming again), plus the fewest next positions of the cyclic order that give every new
+rank as many (NOTE [ Elastic indexed order ]).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from savable_loader import (
     StateError,
     StateMismatchError,
     WorkerConfig,
+    WorkerContext,
 )
 from savable_loader.datasets import IndexedDataset, TokenSource
 
@@ -46,6 +50,36 @@ def indexed() -> Any:
 
 
 EXPECTED = Counter(i for i in range(N) if _odd_tens(i))
+
+
+def _everything(index: int) -> bool:
+    return True
+
+
+def _order(shuffle: bool = True) -> list[int]:
+    """Epoch 0's order of ``range(N)`` (what one rank reads)."""
+    cursor = IndexedDataset(list(range(N)), shuffle=shuffle, seed=SEED).cursor(
+        WorkerContext(0, 1, 0, 0, SEED, None)
+    )
+    return list(cursor)
+
+
+def _padded(ranks: int, keep: Callable[[int], bool] = _odd_tens, shuffle: bool = True) -> Counter:
+    """The items of epoch 0 on ``ranks`` ranks: ``N`` padded to a multiple of ``ranks``."""
+    order = _order(shuffle)
+    return Counter(x for p in range(-(-N // ranks) * ranks) if keep(x := order[p % N]))
+
+
+def _assert_accounted(got: Counter, old_ranks: int, new_ranks: list[int]) -> None:
+    """``got`` holds every position of the old layout's padded epoch once, and beyond it
+    only the next positions of the cyclic order, fewer than each reshard's new ranks."""
+    base = _padded(old_ranks)
+    assert not base - got, "items of the epoch were lost"
+    order, start = _order(), -(-N // old_ranks) * old_ranks
+    allowed = Counter(
+        x for i in range(sum(r - 1 for r in new_ranks)) if _odd_tens(x := order[(start + i) % N])
+    )
+    assert not (got - base) - allowed, "items beyond the next padding positions"
 
 
 def _loader(build: Callable[[], Any], workers: int, rank: int = 0, ranks: int = 1) -> Any:
@@ -127,14 +161,14 @@ LAYOUTS = [
 def test_rest_of_epoch_exactly_once_and_next_epoch_as_fresh(old_w, old_r, steps, new_w, new_r):
     consumed, states = _save(indexed, old_w, old_r, steps)
     rest, following = _resume(indexed, states, new_w, new_r)
-    assert Counter(consumed + rest) == EXPECTED
+    _assert_accounted(Counter(consumed + rest), old_r, [new_r])
     assert following == _fresh_epoch(indexed, new_w, new_r, epoch=1)
 
 
 @pytest.mark.parametrize(("old_w", "new_w"), [(2, 3), (0, 2), (3, 0)])
 def test_between_epochs_resumes_at_the_next_epoch_as_fresh(old_w, new_w):
     consumed, states = _save(noisy, old_w, 2, [99, 99])
-    assert Counter(i for i in consumed) == Counter(range(N))
+    assert Counter(i for i in consumed) == _padded(2, keep=_everything)
     assert all(state.between_epochs for state in states)
     rest, following = _resume(noisy, states, new_w, 1)
     # Between epochs, iterating starts epoch 1 directly: "rest" is epoch 1 here.
@@ -238,7 +272,7 @@ def test_resharding_twice_in_one_epoch_composes():
                 second += _ids(next(stream))
             middle.append(loader.save_state_rank())
     rest, following = _resume(indexed, middle, 0, 1)
-    assert Counter(consumed + second + rest) == EXPECTED
+    _assert_accounted(Counter(consumed + second + rest), 2, [3, 1])
     assert following == _fresh_epoch(indexed, 0, 1, epoch=1)
 
 
@@ -279,7 +313,8 @@ def seeded() -> Any:
 def test_seeded_map_is_elastic_and_its_next_epoch_matches_a_fresh_run():
     consumed, states = _save(seeded, 2, 2, [2, 2])
     rest, following = _resume(seeded, states, 3, 1)
-    assert Counter(i // 1000 for i in consumed + rest) == Counter(range(N))
+    # 2 ranks read 102 positions (item 0 twice); one rank needs no more.
+    assert Counter(i // 1000 for i in consumed + rest) == Counter([*range(N), 0])
     assert following == _fresh_epoch(seeded, 3, 1, epoch=1)
 
 

@@ -18,26 +18,47 @@ def _shard(data, rank, world, worker, workers, batch, **kwargs):
     )
 
 
+def _order(data, epoch, **kwargs):
+    """The epoch's order on one rank: every index once."""
+    shard = _shard(data, 0, 1, 0, 0, None, **kwargs)
+    shard.restore({"epoch": epoch, "pos": 0})
+    return list(shard)
+
+
 @given(
     n=st.integers(0, 60),
     world=st.integers(1, 3),
     workers=st.integers(0, 4),
     batch=st.one_of(st.none(), st.integers(1, 5)),
     shuffle=st.booleans(),
+    even=st.sampled_from(["pad", "drop"]),
 )
-def test_shards_partition_every_epoch(n, world, workers, batch, shuffle):
+def test_shards_cover_the_padded_or_cut_epoch_and_ranks_read_as_many(
+    n, world, workers, batch, shuffle, even
+):
     data = list(range(n))
+    length = -(-n // world) * world if even == "pad" else n // world * world
     for epoch in range(2):
+        order = _order(data, epoch, shuffle=shuffle, seed=3, even=even)
+        assert sorted(order) == data
         seen = []
+        per_rank = []
         for rank in range(world):
+            read = 0
             for worker in range(max(workers, 1)):
-                shard = _shard(data, rank, world, worker, workers, batch, shuffle=shuffle, seed=3)
+                shard = _shard(
+                    data, rank, world, worker, workers, batch, shuffle=shuffle, seed=3, even=even
+                )
                 shard.restore({"epoch": epoch, "pos": 0})
-                length = shard.shard_length
+                length_of_shard = shard.shard_length
                 items = list(shard)
-                assert len(items) == length
+                assert len(items) == length_of_shard
                 seen += items
-        assert sorted(seen) == data
+                read += len(items)
+            per_rank.append(read)
+        # Position p of the padded epoch is the order's p % n (the start comes again).
+        assert sorted(seen) == sorted(order[p % n] for p in range(length))
+        assert per_rank == [length // world] * world
 
 
 def test_iteration_ends_the_epoch_and_moves_to_the_next():

@@ -1,27 +1,47 @@
 """A savable source over any map-style dataset (``__getitem__`` + ``__len__``).
 
 NOTE [ Indexed order and sharding ]
-Epoch ``e`` visits every index once, in the order ``perm_e`` (a permutation drawn from
-``(seed, e)`` when ``shuffle`` is set, else ``0..n-1``). Rank ``r`` of ``R`` takes the
-positions ``r, r+R, r+2R, ...`` of that order, as ``DistributedSampler`` does without
-padding. Within a rank, the positions are cut into blocks of ``batch_size`` and worker
+Epoch ``e`` visits the indices in the order ``perm_e`` (a permutation drawn from
+``(seed, e)`` when ``shuffle`` is set, else ``0..n-1``), read cyclically: position ``p``
+of the epoch is index ``perm_e[p % n]``. On ``R`` ranks a fresh epoch has
+``ceil(n/R)*R`` positions with ``even="pad"`` (the first indices come again at the end,
+as ``DistributedSampler`` repeats the start of its list) and ``floor(n/R)*R`` with
+``even="drop"`` (the tail is left out), so every rank reads as many items; with one rank
+both are ``n``. Rank ``r`` of ``R`` takes the positions ``r, r+R, r+2R, ...``. Within a
+rank, the positions are cut into blocks of ``batch_size`` and worker
 ``w`` of ``W`` takes blocks ``w, w+W, ...``; since the loader hands batches out in
 round-robin worker order, a rank's batches come out in the order of its positions, as
-with torch's ``DataLoader`` over a map-style dataset. Position ``k`` of a worker's shard
-is computed in O(1), so a state is two integers and ``skip`` moves by arithmetic.
+with torch's ``DataLoader`` over a map-style dataset, and a rank's number of batches
+depends only on its number of items: every rank yields as many. Position ``k`` of a
+worker's shard is computed in O(1), so a state is two integers and ``skip`` moves by
+arithmetic. ``config()`` names ``even`` only when it is not the default, so states saved
+before the option existed keep their fingerprint (on one rank they mean the same).
 
 NOTE [ Elastic indexed order ]
-``perm_e`` depends on the seed and the epoch only, never on the layout, so its positions
-are the canonical order of the epoch. What a layout consumed before a save is, per
-(rank, worker) stream, a prefix of that stream's positions; their union is recorded for
-the new layout as ``done_below`` (every position below it was consumed) plus ``done``
-(the consumed positions above it, ascending; a handful when ranks stood at nearly the
-same step). The rest of the epoch is the remaining positions in canonical order, laid
-out over the new ranks and workers exactly as a whole epoch is: element ``k`` of the
-remaining list goes to rank ``k % R``, then in batch blocks to workers. A second elastic
-restore in that epoch maps the new streams' prefixes back through the remaining list,
-so resharding composes. The next epoch is laid out as a fresh run on the new layout
-lays it out.
+``perm_e`` depends on the seed and the epoch only, never on the layout, so the cyclic
+positions ``0, 1, 2, ...`` (position ``p`` is index ``perm_e[p % n]``) are the canonical
+order of the epoch; a layout reads the positions below its epoch's ``length`` (NOTE
+[ Indexed order and sharding ]). A padded position is a position like any other: when it
+is consumed, the index it repeats is not, unless its own position was. What a layout
+consumed before a save is, per (rank, worker) stream, a prefix of that stream's
+positions; their union is recorded for the new layout as ``done_below`` (every position
+below it was consumed) plus ``done`` (the consumed positions above it, ascending; a
+handful when ranks stood at nearly the same step) and the ``length`` of the positions
+read. The rest of the epoch is the remaining positions below ``length`` in canonical
+order; so that every new rank reads as many, ``even="pad"`` first extends ``length`` by
+the fewest next positions (``length, length+1, ...``, the cyclic order going on) that
+make the count a multiple of the new number of ranks, and ``even="drop"`` lowers
+``length`` to leave out the fewest last remaining positions. The rest is laid out over
+the new ranks and workers exactly as a whole epoch is: element ``k`` of the remaining
+list goes to rank ``k % R``, then in batch blocks to workers. A second elastic restore in
+that epoch maps the new streams' prefixes back through the remaining list, so resharding
+composes. The next epoch is laid out as a fresh run on the new layout lays it out.
+
+A state names ``length`` whenever it is not ``n``. A state without it was saved where
+padding changes nothing (one rank, or ranks that divide ``n``), or before padding
+existed: restored on its own layout it continues as this version reads that layout
+(padded), and moved to another layout its epoch is the ``n`` positions the version that
+saved it read; the states saved in the rest of that epoch keep not naming it.
 """
 
 from __future__ import annotations
@@ -37,9 +57,17 @@ from ..errors import ConfigError, StateError
 from ..rng import derive_seed
 from .cursor import Cursor, StageState, validate_state
 from .elastic import ReshardPlan
+from .index_order import (
+    Even,
+    epoch_length,
+    global_position,
+    rank_batches,
+    remaining_positions,
+    shard_length,
+)
 from .stage import Stage
 
-__all__ = ["IndexedDataset"]
+__all__ = ["Even", "IndexedDataset"]
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -66,10 +94,22 @@ class _State(StageState):
     done: list[int] | None = Field(
         default=None, description="After an elastic restore: consumed positions above done_below."
     )
+    length: int | None = Field(
+        default=None,
+        ge=0,
+        description="Positions of the epoch, consumed or not, when they are not the "
+        "dataset's length: padded or cut for the ranks, or after an elastic restore "
+        "(NOTE [ Elastic indexed order ]).",
+    )
 
 
 class IndexedDataset(Stage[T]):
     """Serves a map-style dataset in a seeded per-epoch order, sharded over ranks and workers.
+
+    Every rank reads as many items per epoch, hence yields as many batches, as with
+    ``DistributedSampler``: so that no rank of a distributed job waits in a collective
+    for a rank that ran out (NOTE [ Indexed order and sharding ]). With one rank, every
+    item is read once per epoch whatever ``even`` says.
 
     Args:
         data: Anything with ``__getitem__(int)`` and ``__len__``.
@@ -77,15 +117,24 @@ class IndexedDataset(Stage[T]):
         seed: Seed of the permutations (``SavableDataLoader`` passes its own ``seed``).
         deterministic_items: Declare that ``data[i]`` draws from no global generator,
             so :meth:`skip` (and a replay after restore) need not fetch skipped items.
+        even: How the ranks get as many items when the ranks do not divide the length:
+            ``"pad"`` (the default, as ``DistributedSampler(drop_last=False)``) reads the
+            first items of the epoch's order again to fill the last round, so an epoch
+            has ``ceil(len/R)*R`` items over ``R`` ranks; ``"drop"`` (as
+            ``DistributedSampler(drop_last=True)``) leaves the last ``len % R`` items of
+            the epoch's order out, ``floor(len/R)*R`` items.
 
     Raises:
-        ConfigError: ``data`` has no ``__getitem__`` or ``__len__``.
+        ConfigError: ``data`` has no ``__getitem__`` or ``__len__``, or ``even`` is
+            neither ``"pad"`` nor ``"drop"``. The loader also raises it when a rank would
+            read nothing (an empty dataset, or fewer items than ranks with ``"drop"``).
 
     State:
         ``{"epoch": e, "pos": k}``: the epoch and the position in this worker's shard
         (NOTE [ Indexed order and sharding ]). After a restore onto another number of
-        workers or ranks, the resumed epoch's state also holds ``done_below`` and
-        ``done``, the positions consumed before it (NOTE [ Elastic indexed order ]).
+        workers or ranks, the resumed epoch's state also holds ``done_below``, ``done``
+        and ``length``: the positions consumed before it and how many the epoch has,
+        padded or cut for the new number of ranks (NOTE [ Elastic indexed order ]).
         Restore is O(1); skipping is O(1) with
         ``deterministic_items``, and fetches the skipped items otherwise so that global
         generators advance exactly as they would. Nothing is replayed beyond what the
@@ -99,27 +148,41 @@ class IndexedDataset(Stage[T]):
         shuffle: bool = False,
         seed: int = 0,
         deterministic_items: bool = False,
+        even: Even = "pad",
     ) -> None:
         if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
             raise ConfigError(
                 f"IndexedDataset needs __getitem__ and __len__; {type(data).__name__} lacks them"
             )
+        if even not in ("pad", "drop"):
+            raise ConfigError(f'IndexedDataset even must be "pad" or "drop", got {even!r}')
         self.data = data
         self.shuffled = shuffle
         self.seed = seed
         self.deterministic_items = deterministic_items
+        self.even: Even = even
 
     def config(self) -> dict[str, Any]:
-        return {
+        config = {
             "type": "IndexedDataset",
             "data": f"{type(self.data).__module__}.{type(self.data).__qualname__}",
             "len": len(self.data),
             "shuffle": self.shuffled,
             "seed": self.seed,
         }
+        return self.with_even(config)
+
+    def with_even(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` with ``even`` when it is not the default (NOTE [ Indexed order and
+        sharding ])."""
+        return config if self.even == "pad" else {**config, "even": self.even}
 
     def describe(self) -> str:
-        return f"IndexedDataset({len(self.data)} items, shuffle={self.shuffled}, seed={self.seed})"
+        even = "" if self.even == "pad" else f", even={self.even!r}"
+        return (
+            f"IndexedDataset({len(self.data)} items, shuffle={self.shuffled}, "
+            f"seed={self.seed}{even})"
+        )
 
     def cursor(self, context: WorkerContext) -> IndexedCursor[T]:
         return IndexedCursor(self, context)
@@ -127,8 +190,40 @@ class IndexedDataset(Stage[T]):
     def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
         return reshard_indexed(self, plan)
 
+    def check_layout(self, context: WorkerContext) -> None:
+        """Refuses a layout on which a rank would read nothing.
+
+        Raises:
+            ConfigError: The dataset is empty, or has fewer items than ranks with
+                ``even="drop"``.
+        """
+        length, ranks = len(self.data), context.world_size
+        if epoch_length(length, ranks, self.even) > 0:
+            return
+        fix = (
+            'use even="pad" or fewer ranks'
+            if length
+            else "check the dataset (its __len__ is 0) or the path it was built from"
+        )
+        raise ConfigError(
+            f"{self.describe()}: rank {context.rank} would read no item: {length} items "
+            f"over {ranks} rank{'s' * (ranks != 1)} (even={self.even!r}) leave every rank "
+            f"with an empty epoch; {fix}"
+        )
+
+    def epoch_length(self, world_size: int) -> int:
+        """Items of a fresh epoch over ``world_size`` ranks, padding included."""
+        return epoch_length(len(self.data), world_size, self.even)
+
+    def rank_batches(self, contexts: list[WorkerContext], *, drop_last: bool) -> int:
+        """Batches a rank yields in a fresh epoch over its workers' ``contexts`` (items
+        when ``batch_size`` is None), as with torch's ``DataLoader``; the same on every
+        rank."""
+        length = self.epoch_length(contexts[0].world_size)
+        return rank_batches(length, contexts, drop_last=drop_last)
+
     def __len__(self) -> int:
-        """Items in an epoch (of every rank and worker together)."""
+        """Items in an epoch (of every rank and worker together, on one rank)."""
         return len(self.data)
 
 
@@ -143,10 +238,27 @@ class IndexedCursor(Cursor[T]):
         self.stage = stage
         self.epoch = 0
         self.pos = 0
-        #: Positions consumed before an elastic restore, in epoch ``self.epoch`` only.
+        #: Positions of a fresh epoch on this layout, padded or cut for the ranks.
+        self.fresh_length = stage.epoch_length(context.world_size)
+        #: Positions of epoch ``self.epoch`` as its state names them; None: not named
+        #: (:attr:`epoch_positions`, NOTE [ Elastic indexed order ]).
+        self.length = self._named(self.fresh_length)
+        #: ``(done_below, done)``: positions consumed before an elastic restore, in epoch
+        #: ``self.epoch`` only.
         self.done: tuple[int, np.ndarray] | None = None
-        self._full_length = shard_length(len(stage.data), context)
+        self._full_length = shard_length(self.fresh_length, context)
         self._order: tuple[int, np.ndarray | None] = (-1, None)
+
+    def _named(self, length: int) -> int | None:
+        return None if length == len(self.stage.data) else length
+
+    @property
+    def epoch_positions(self) -> int:
+        """Positions of the current epoch: a state that does not name them reads the
+        dataset's length after an elastic restore, and this layout's otherwise."""
+        if self.length is not None:
+            return self.length
+        return len(self.stage.data) if self.done is not None else self.fresh_length
 
     @property
     def shard_length(self) -> int:
@@ -175,16 +287,30 @@ class IndexedCursor(Cursor[T]):
         return items
 
     def own_state(self) -> dict[str, Any]:
-        if self.done is None:
-            return {"epoch": self.epoch, "pos": self.pos}
-        below, done = self.done
-        return {"epoch": self.epoch, "pos": self.pos, "done_below": below, "done": done.tolist()}
+        state: dict[str, Any] = {"epoch": self.epoch, "pos": self.pos}
+        if self.done is not None:
+            below, done = self.done
+            state.update(done_below=below, done=done.tolist())
+        if self.length is not None:
+            state["length"] = self.length
+        return state
 
     def restore_own(self, state: Any | None) -> None:
         position = state if isinstance(state, _State) else _State(epoch=0, pos=0)
         self.epoch, self.pos = position.epoch, position.pos
-        self.done = _done(position, len(self.stage.data))
+        self.done = _done(position)
+        # The initial state is a fresh epoch; a saved one names its length or not.
+        self.length = position.length if state is not None else self._named(self.fresh_length)
         self._order = (-1, None)
+        length = self.epoch_positions
+        _check_length(position, length, len(self.stage.data))
+        if self.done is None and length != self.fresh_length:
+            raise StateError(
+                f"IndexedDataset: the state's epoch has {length} positions, this "
+                f"layout's {self.fresh_length} ({len(self.stage.data)} items over "
+                f"{self.context.world_size} ranks, even={self.stage.even!r}); restore a "
+                "state saved by the same pipeline on the same number of ranks"
+            )
         if self.pos > self.shard_length:
             raise StateError(
                 f"IndexedDataset: position {self.pos} is past this worker's shard of "
@@ -195,6 +321,7 @@ class IndexedCursor(Cursor[T]):
         self.epoch += 1
         self.pos = 0
         self.done = None
+        self.length = self._named(self.fresh_length)
 
     def skip_fast(self, n: int) -> int:
         length = self.shard_length
@@ -216,15 +343,17 @@ class IndexedCursor(Cursor[T]):
         (one array operation instead of arithmetic per item)."""
         epoch, indices = self._order
         if epoch != self.epoch or indices is None:
-            length = len(self.stage.data)
-            remaining = None if self.done is None else _remaining(length, *self.done)
-            count = shard_length(length if remaining is None else len(remaining), self.context)
-            positions = global_position(np.arange(count, dtype=np.int64), self.context)
-            if remaining is not None:
-                positions = remaining[positions]
+            items = len(self.stage.data)
+            if self.done is None:
+                positions = global_position(np.arange(self._full_length), self.context)
+            else:
+                remaining = remaining_positions(self.epoch_positions, *self.done)
+                count = shard_length(len(remaining), self.context)
+                positions = remaining[global_position(np.arange(count), self.context)]
+            positions = positions.astype(np.int64) % max(items, 1)
             if self.stage.shuffled:
                 seed = derive_seed(self.stage.seed, _PERMUTATION_PURPOSE, self.epoch)
-                positions = np.random.default_rng(seed).permutation(len(self.stage.data))[positions]
+                positions = np.random.default_rng(seed).permutation(items)[positions]
             indices = positions
             self._order = (self.epoch, indices)
         return indices
@@ -234,8 +363,8 @@ def _parse(state: Any) -> _State:
     return validate_state(_State, state, "IndexedDataset")
 
 
-def _done(position: _State, length: int) -> tuple[int, np.ndarray] | None:
-    """The consumed positions a state records, checked (NOTE [ Elastic indexed order ])."""
+def _done(position: _State) -> tuple[int, np.ndarray] | None:
+    """The ``(done_below, done)`` a state records (NOTE [ Elastic indexed order ])."""
     if position.done_below is None and position.done is None:
         return None
     if position.done_below is None or position.done is None:
@@ -243,50 +372,58 @@ def _done(position: _State, length: int) -> tuple[int, np.ndarray] | None:
             "IndexedDataset: malformed state (done_below and done come together); restore "
             "a state saved by the same pipeline"
         )
-    done = np.asarray(position.done, dtype=np.int64)
-    below = position.done_below
-    if below > length or (
-        len(done) and (done[0] <= below or done[-1] >= length or np.any(np.diff(done) <= 0))
+    return position.done_below, np.asarray(position.done, dtype=np.int64)
+
+
+def _check_length(position: _State, length: int, items: int) -> None:
+    """Refuses consumed positions outside an epoch of ``length`` positions."""
+    below, done = position.done_below or 0, position.done or []
+    if (
+        (items == 0 and length > 0)
+        or below > length
+        or (done and (done[0] <= below or done[-1] >= length))
+        or bool(np.any(np.diff(np.asarray(done, dtype=np.int64)) <= 0))
     ):
         raise StateError(
             f"IndexedDataset: malformed state (done_below {below} and done must be ascending "
-            f"positions of an epoch of {length} items); restore a state saved by the same "
-            "pipeline"
+            f"positions of an epoch of {length} positions of {items} items); restore a "
+            "state saved by the same pipeline"
         )
-    return below, done
 
 
-def _remaining(length: int, below: int, done: np.ndarray) -> np.ndarray:
-    """The positions of the epoch not consumed, ascending."""
-    open_ = np.ones(length - below, dtype=bool)
-    open_[done - below] = False
-    return np.flatnonzero(open_) + below
+def _old_rest(position: _State, items: int) -> tuple[int, int, tuple[int, ...]]:
+    """``(length, done_below, done)`` of a saved stream's epoch: a state without
+    ``length`` was read over the dataset's length by the version that saved it."""
+    length = items if position.length is None else position.length
+    _check_length(position, length, items)
+    return length, position.done_below or 0, tuple(position.done or ())
 
 
-#: The last reshard's (length, epoch, old streams) and answer: every new stream of one
-#: restore gets the same answer, which costs O(length) to compute.
-_last_reshard: list[tuple[tuple[int, int, Any], dict[str, Any]]] = []
+#: The last reshard's (stage config, epoch, old streams, new world size) and answer: every
+#: new stream of one restore gets the same answer, which costs O(length) to compute.
+_last_reshard: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
 
 def reshard_indexed(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, Any]:
     """The state of ``plan.new``'s stream (NOTE [ Elastic indexed order ]).
 
-    The answer depends on the epoch's length and the old streams only, not on the new
-    stream, so the last one is kept for the other new streams of the same restore.
+    The answer depends on the epoch's length, ``even``, the old streams and the new
+    number of ranks only, not on the new stream, so the last one is kept for the other
+    new streams of the same restore.
     """
-    key = (len(stage.data), plan.epoch, plan.old)
+    key = (len(stage.data), stage.even, plan.epoch, plan.old, plan.new.world_size)
     if _last_reshard and _last_reshard[0][0] == key:
         return copy.deepcopy(_last_reshard[0][1])
-    answer = _reshard(len(stage.data), plan)
+    answer = _reshard(stage, plan)
     _last_reshard[:] = [(key, copy.deepcopy(answer))]
     return answer
 
 
-def _reshard(length: int, plan: ReshardPlan) -> dict[str, Any]:
+def _reshard(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, Any]:
+    items = len(stage.data)
     finished: list[WorkerContext] = []
     reading: list[tuple[WorkerContext, int]] = []
-    records: set[tuple[int, tuple[int, ...]] | None] = set()
-    done: tuple[int, np.ndarray] | None = None
+    records: set[tuple[int, int, tuple[int, ...]]] = set()
     for stream in plan.old:
         position = _State(epoch=0, pos=0) if stream.state is None else _parse(stream.state)
         if position.epoch == plan.epoch + 1 and position.pos == 0 and position.done is None:
@@ -297,18 +434,20 @@ def _reshard(length: int, plan: ReshardPlan) -> dict[str, Any]:
                 f"IndexedDataset: a saved stream stands in epoch {position.epoch} while the "
                 f"loader resumes epoch {plan.epoch}; restore a state saved by the same pipeline"
             )
-        done = _done(position, length)
-        records.add(None if done is None else (done[0], tuple(done[1].tolist())))
+        _done(position)
+        records.add(_old_rest(position, items))
         reading.append((stream.context, position.pos))
     if len(records) > 1:
         raise StateError(
-            "IndexedDataset: the saved streams disagree on what was consumed before their "
-            "own restore; restore the states of one save together"
+            "IndexedDataset: the saved streams disagree on the positions of the epoch or on "
+            "what was consumed before their own restore; restore the states of one save "
+            "together"
         )
     if not reading:
         # Every stream finished the epoch: nothing of it is left.
-        return {"epoch": plan.epoch, "pos": 0, "done_below": length, "done": []}
-    remaining = np.arange(length, dtype=np.int64) if done is None else _remaining(length, *done)
+        return {"epoch": plan.epoch, "pos": 0, "done_below": 0, "done": [], "length": 0}
+    (length, below, done), *_ = records
+    remaining = remaining_positions(length, below, np.asarray(done, dtype=np.int64))
     consumed = np.ones(length, dtype=bool)
     consumed[remaining] = False
     streams = [(context, shard_length(len(remaining), context)) for context in finished]
@@ -324,47 +463,26 @@ def _reshard(length: int, plan: ReshardPlan) -> dict[str, Any]:
         consumed[remaining[global_position(np.arange(count, dtype=np.int64), context)]] = True
     if not consumed.any():
         return {"epoch": plan.epoch, "pos": 0}
+    consumed = _even_rest(consumed, plan.new.world_size, stage.even)
+    length = len(consumed)
     open_positions = np.flatnonzero(~consumed)
     below = int(open_positions[0]) if len(open_positions) else length
     above = np.flatnonzero(consumed[below:]) + below
-    return {"epoch": plan.epoch, "pos": 0, "done_below": below, "done": above.tolist()}
+    return {
+        "epoch": plan.epoch,
+        "pos": 0,
+        "done_below": below,
+        "done": above.tolist(),
+        "length": length,
+    }
 
 
-def _block(context: WorkerContext) -> int:
-    return context.batch_size or 1
-
-
-def shard_length(length: int, context: WorkerContext) -> int:
-    """Items of a ``length``-item epoch that fall to ``context``'s worker."""
-    block = _block(context)
-    rank_length = len(range(context.rank, length, context.world_size))
-    workers = max(context.num_workers, 1)
-    blocks = -(-rank_length // block)
-    mine = len(range(context.worker_id, blocks, workers))
-    result = mine * block
-    if mine and (blocks - 1) % workers == context.worker_id:
-        result -= blocks * block - rank_length
-    return result
-
-
-def rank_batches(length: int, contexts: list[WorkerContext], *, drop_last: bool) -> int:
-    """Batches a rank yields in an epoch of ``length`` items over its workers'
-    ``contexts`` (items when ``batch_size`` is None), as with torch's ``DataLoader``."""
-    total = 0
-    for context in contexts:
-        items = shard_length(length, context)
-        batch = context.batch_size
-        if batch is None:
-            total += items
-        else:
-            total += items // batch if drop_last else -(-items // batch)
-    return total
-
-
-def global_position(pos: Any, context: WorkerContext) -> Any:
-    """The epoch-wide position of item ``pos`` of ``context``'s worker shard (an int, or
-    element-wise for an integer array)."""
-    block = _block(context)
-    workers = max(context.num_workers, 1)
-    rank_pos = (context.worker_id + (pos // block) * workers) * block + pos % block
-    return context.rank + rank_pos * context.world_size
+def _even_rest(consumed: np.ndarray, ranks: int, even: Even) -> np.ndarray:
+    """``consumed`` (one flag per position of the epoch) padded with open positions, or
+    cut before its last open ones, so that the open positions fill whole rounds of
+    ``ranks`` (NOTE [ Elastic indexed order ])."""
+    open_positions = np.flatnonzero(~consumed)
+    if even == "pad":
+        return np.concatenate([consumed, np.zeros(-len(open_positions) % ranks, dtype=bool)])
+    cut = len(open_positions) % ranks
+    return consumed[: open_positions[-cut]] if cut else consumed

@@ -99,6 +99,29 @@ class ShardedSource(Stage[T]):
         shuffled = f", shuffle_shards=True, seed={self.seed}" if self.shuffle_shards else ""
         return f"{type(self).__name__}({count}{shuffled})"
 
+    def check_layout(self, context: WorkerContext) -> None:
+        """Refuses more (rank, worker) streams than files (NOTE [ Shard listing and
+        assignment ]): a stream without a file would yield nothing, and its rank would
+        leave the others waiting in a collective.
+
+        Raises:
+            ConfigError: A stream would read no file; names the first one (of this rank
+                when it has one), the numbers of files and streams, and the fix.
+        """
+        files, streams = len(self.urls), context.num_shards
+        if files >= streams:
+            return
+        workers = max(context.num_workers, 1)
+        starved = max(files, context.rank * workers)  # this rank's first, else the first
+        rank, worker = divmod(starved, workers)
+        raise ConfigError(
+            f"{self.describe()}: {files} file{'s' * (files != 1)} for {streams} streams "
+            f"({context.world_size} ranks x {workers} workers): rank {rank} worker {worker} "
+            f"would read no file and yield nothing while other ranks wait for it; use at "
+            f"most {files} streams (fewer workers or ranks) or split the data into at "
+            f"least {streams} files"
+        )
+
     def open(self, url: str) -> IO[bytes]:
         """Opens ``url`` for reading, decompressed by its extension.
 

@@ -103,6 +103,21 @@ class Stage(IterableDataset[T], abc.ABC):
         """
         raise NotElastic(self.describe(), self.elastic_reason, self.elastic_fix)
 
+    def check_layout(self, context: WorkerContext) -> None:
+        """Refuses a layout on which some stream would get no data at all, which would
+        leave its rank without steps while the others wait for it in a collective. The
+        loader calls it when it is built; this checks every stage the pipeline reads.
+
+        Args:
+            context: Worker 0 of the loader's rank: its ``world_size`` and
+                ``num_workers`` give the job's layout.
+
+        Raises:
+            ConfigError: A stream would get no data; the message names it and the fix.
+        """
+        for child in self.children:
+            child.check_layout(context)
+
     def not_elastic(self) -> NotElastic | None:
         """Why this pipeline's position cannot move to another layout, or None when every
         stage of it can (it overrides :meth:`reshard`)."""

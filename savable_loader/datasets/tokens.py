@@ -27,7 +27,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import ConfigError
-from .indexed import IndexedDataset
+from .indexed import Even, IndexedDataset
 
 __all__ = ["TokenSource"]
 
@@ -49,11 +49,16 @@ class TokenSource(IndexedDataset[np.ndarray]):
             file's header must name it).
         shuffle: Visit the windows in a new seeded permutation every epoch.
         seed: Seed of the permutations.
+        even: As for :class:`IndexedDataset`: ``"pad"`` (the default) repeats the first
+            windows of the epoch's order, ``"drop"`` leaves its last ones out, so that
+            every rank reads as many windows and yields as many batches.
 
     Raises:
         ConfigError: No file matches, a file cannot be read, a raw file's size is not a
             multiple of the dtype's size, a ``.npy`` file is not 1-D or has another
-            dtype, ``dtype`` is not an integer type or ``seq_len`` is below 1.
+            dtype, ``dtype`` is not an integer type or ``seq_len`` is below 1. The
+            loader also raises it when a rank would read no window (no file holds
+            ``seq_len`` tokens, or fewer windows than ranks with ``even="drop"``).
 
     State:
         ``{"epoch": e, "pos": k}`` as for :class:`IndexedDataset`: the epoch and the
@@ -69,6 +74,7 @@ class TokenSource(IndexedDataset[np.ndarray]):
         dtype: str = "uint16",
         shuffle: bool = False,
         seed: int = 0,
+        even: Even = "pad",
     ) -> None:
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ConfigError(f"TokenSource needs an int seq_len >= 1, got {seq_len!r}")
@@ -83,10 +89,12 @@ class TokenSource(IndexedDataset[np.ndarray]):
         self.dtype = str(dtype)
         self.windows = _Windows(files, layout, seq_len, token)
         logger.debug("TokenSource: %d files, %d windows", len(files), len(self.windows))
-        super().__init__(self.windows, shuffle=shuffle, seed=seed, deterministic_items=True)
+        super().__init__(
+            self.windows, shuffle=shuffle, seed=seed, deterministic_items=True, even=even
+        )
 
     def config(self) -> dict[str, Any]:
-        return {
+        config = {
             "type": "TokenSource",
             "urls": list(self.windows.urls),
             "sizes": [size for _, size in self.windows.layout],
@@ -95,6 +103,7 @@ class TokenSource(IndexedDataset[np.ndarray]):
             "shuffle": self.shuffled,
             "seed": self.seed,
         }
+        return self.with_even(config)
 
     def describe(self) -> str:
         files = len(self.windows.urls)
