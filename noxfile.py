@@ -34,10 +34,19 @@ LOWEST = (
     "pydantic==2.5.0",
     "tqdm==4.66.3",
 )
-#: The test extra's own lowest versions that matter beside :data:`LOWEST`: ``datasets``
-#: at its declared minimum, and the last ``pyarrow`` that still imports with NumPy 1.x
-#: (newer ones refuse NumPy 1.24 at import, which failed the collection of the suite).
-LOWEST_TEST = ("datasets==3.0.0", "pyarrow==17.0.0")
+#: The test extra's versions beside :data:`LOWEST`, pinned so that pip resolves at once:
+#: ``datasets`` at its declared minimum and the last ``pyarrow`` that imports with NumPy
+#: 1.x (newer ones refuse NumPy 1.24 at import); ``s3fs`` must equal ``fsspec``'s version,
+#: and its aiobotocore pins botocore to a narrow range that boto3 must match (left open,
+#: pip backtracked through boto3 releases for over 25 minutes).
+LOWEST_TEST = (
+    "datasets==3.0.0",
+    "pyarrow==17.0.0",
+    "s3fs==2024.6.0",
+    "aiobotocore==2.26.0",
+    "boto3==1.41.5",
+    "botocore==1.41.5",
+)
 LINT_PATHS = ("savable_loader", "tests", "benchmarks", "examples", "noxfile.py")
 
 
