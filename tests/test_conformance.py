@@ -366,3 +366,25 @@ def test_an_iterable_dataset_refuses_sampling_as_torch_does(kwargs: dict[str, An
     with pytest.raises(ValueError) as our_error:
         SavableDataLoader(_Stream(), **kwargs)
     assert str(our_error.value) == str(torch_error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bucketing", "shuffle_generator"])
+def test_spawned_workers_give_torchs_stream(name: str) -> None:
+    options = {"num_workers": 2, "multiprocessing_context": "spawn", "persistent_workers": True}
+    torchs = _build(DataLoader, name, **options)
+    expected = _stream(torchs, epochs=2)
+    with _build(SavableDataLoader, name, **options) as ours:
+        got = _stream(ours, epochs=2)
+    if torchs.case_generator is None:
+        got, expected = _indices(got), _indices(expected)
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_spawned_workers_resume_exactly() -> None:
+    options = {"num_workers": 2, "multiprocessing_context": "spawn"}
+    with _build(SavableDataLoader, "shuffle_generator", **options) as loader:
+        expected = _stream(loader)
+    stop = len(expected[0]) + 1  # in the second epoch, whose workers were started anew
+    assert _resumed("shuffle_generator", options, stop) == expected
