@@ -130,16 +130,16 @@ class EpochPlanner:
         if pending is None and self.state is None:
             # The first draw of a loader: on the process's generators, as torch draws.
             before = self._snapshot(rng.capture().to_state())
-            base_seed, after = self._draw(epoch)
+            base_seed = self._draw(epoch)
+            after = self._snapshot(rng.capture().to_state())
         else:
             # The global generators' part continues the previous draw, not the process.
             before, must_be = pending or (self._snapshot(self._previous_after().rng), None)
-            saved = rng.capture()
-            try:
-                self._apply(before, must_be)
-                base_seed, after = self._draw(epoch)
-            finally:
-                rng.apply(saved)
+            self._apply(before, must_be)
+            own = rng.OwnGenerators.of(before.rng)
+            with own:
+                base_seed = self._draw(epoch)
+            after = self._snapshot(own.snapshot.to_state())
         self.state = OrderState(epoch=epoch, before=before, after=after)
         return base_seed
 
@@ -148,7 +148,7 @@ class EpochPlanner:
             raise StateError("internal error: no previous draw; please report")
         return self.state.after
 
-    def _draw(self, epoch: int) -> tuple[int | None, OrderSnapshot]:
+    def _draw(self, epoch: int) -> int | None:
         base_seed = None
         if self.draws_every_epoch or epoch == 0:
             base_seed = int(
@@ -159,7 +159,7 @@ class EpochPlanner:
             self.order.epoch = epoch
             fresh = EpochOrder.of(epoch, groups, batched=self.batched)
             self.order.indices, self.order.offsets = fresh.indices, fresh.offsets
-        return base_seed, self._snapshot(rng.capture().to_state())
+        return base_seed
 
     def restore(self, state: OrderState | None, *, epoch: int, between_epochs: bool) -> None:
         """Makes the next draw continue ``state`` (None: from where things stand).
@@ -204,6 +204,8 @@ class EpochPlanner:
         )
 
     def _apply(self, snapshot: OrderSnapshot, must_be: int | None) -> None:
+        """Puts the loader's and the sampler's generators and the sampler's own state back
+        as ``snapshot`` holds them (the global generators' part is swapped in apart)."""
         sampler = self.sampler
         if must_be is not None and snapshot.sampler_epoch is not None:
             current = getattr(sampler, "epoch", None)
@@ -213,7 +215,6 @@ class EpochPlanner:
                     f"{snapshot.sampler_epoch}; call sampler.set_epoch("
                     f"{snapshot.sampler_epoch}) before iterating, as the saved run did"
                 )
-        rng.apply(rng.RngSnapshot.from_state(snapshot.rng))
         for generator, data in zip(self._generators, snapshot.generators, strict=True):
             try:
                 generator.set_state(torch.frombuffer(bytearray(data), dtype=torch.uint8))
