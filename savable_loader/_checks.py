@@ -8,11 +8,7 @@ __all__ = ["check_arguments"]
 
 
 def check_arguments(
-    *,
-    num_workers: int,
-    prefetch_factor: int | None,
-    in_order: bool,
-    seed: int,
+    num_workers: int, prefetch_factor: int | None, in_order: bool, seed: int
 ) -> None:
     """Refuses arguments the loader cannot honour exactly.
 

@@ -18,8 +18,17 @@ from .datasets.indexed import IndexedDataset
 from .datasets.sampled import SampledDataset
 from .datasets.stage import Stage
 from .errors import ConfigError
+from .rng import derive_seed
 
-__all__ = ["Pipeline", "build_pipeline"]
+__all__ = ["Pipeline", "base_seed_generator", "build_pipeline"]
+
+_BASE_SEED_PURPOSE = 0xBA5E
+
+
+def base_seed_generator(seed: int, rank: int) -> torch.Generator:
+    """The generator torch draws its workers' base seed from when the loader has no
+    ``generator=`` (NOTE [ Seeds ] in ``rng.py``)."""
+    return torch.Generator().manual_seed(derive_seed(seed, rank, _BASE_SEED_PURPOSE))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader
 
 from . import _elastic, _torch_compat, distributed
@@ -22,19 +21,16 @@ from ._compat import SavedStates, check_compatible, own_state, state_from_dict, 
 from ._events import END, ERROR, PLACEHOLDER, Failure
 from ._iterator import LoaderIterator
 from ._layout import Layout
-from ._pipeline import build_pipeline
+from ._pipeline import base_seed_generator, build_pipeline
 from ._runtime import RuntimeSpec
 from ._stream import Hang, Stream
 from ._worker import WorkerInit, WorkerWrapper
 from .config import WorkerConfig
 from .errors import SavableLoaderError, WorkerError
-from .rng import derive_seed
 from .state.files import encode_state
 from .state.models import Checkpoint, RankState, one_save
 
 __all__ = ["SavableDataLoader"]
-
-_BASE_SEED_PURPOSE = 0xBA5E
 
 
 def _identity(event: Any) -> Any:
@@ -108,13 +104,7 @@ class SavableDataLoader(DataLoader[Any]):
         seed: int = 0,
         worker_config: WorkerConfig | None = None,
     ) -> None:
-        check_arguments(
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor,
-            in_order=in_order,
-            seed=seed,
-        )
-        persistent = bool(persistent_workers) and num_workers > 0
+        check_arguments(num_workers, prefetch_factor, in_order, seed)
         pipeline = build_pipeline(
             dataset,
             batch_size=batch_size,
@@ -125,14 +115,14 @@ class SavableDataLoader(DataLoader[Any]):
             collate_fn=collate_fn,
             generator=generator,
             seed=seed,
-            draws_every_epoch=not persistent,
+            draws_every_epoch=not (persistent_workers and num_workers > 0),
         )
         #: The pipeline the loader reads, as a stage (``datasets.as_stage(dataset)``).
         self.source, root, self._pipeline = pipeline.source, pipeline.root, pipeline
         #: NOTE [ Epoch orders ] in ``_sampling.py``; None when nothing is drawn there.
         self._planner = pipeline.planner
         #: Workers start anew for every epoch (NOTE [ Workers per epoch ]).
-        self._restarts = num_workers > 0 and (not persistent or pipeline.sampled)
+        self._restarts = num_workers > 0 and (not persistent_workers or pipeline.sampled)
         self.worker_config = worker_config or WorkerConfig()
         self.rank, self.world_size = self.worker_config.resolve()
         self.seed = seed
@@ -159,9 +149,7 @@ class SavableDataLoader(DataLoader[Any]):
             timeout=timeout,
             worker_init_fn=WorkerInit(worker_init_fn),
             multiprocessing_context=multiprocessing_context,
-            generator=torch.Generator().manual_seed(
-                derive_seed(seed, self.rank, _BASE_SEED_PURPOSE)
-            ),
+            generator=base_seed_generator(seed, self.rank),
             prefetch_factor=prefetch_factor,
             persistent_workers=num_workers > 0,
             pin_memory_device=pin_memory_device,
@@ -215,8 +203,9 @@ class SavableDataLoader(DataLoader[Any]):
     def _draw_epoch(self) -> None:
         """Makes the current epoch's draws in the main process, once (NOTE [ Epoch orders ])."""
         planner, self.generator = self._planner, self._own_generator
-        if planner is not None and planner.needs_draw(self._book.epoch):
-            self._spec.fresh_seeds = planner.draw(self._book.epoch) is not None
+        if planner is not None:
+            if planner.needs_draw(self._book.epoch):
+                self._spec.fresh_seeds = planner.draw(self._book.epoch) is not None
             # Torch draws the same base seed from a copy of the generator before the draw.
             self.generator = planner.generator_before() or self.generator
 
