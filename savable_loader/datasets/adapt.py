@@ -196,18 +196,7 @@ class _DatasetCursor(Cursor[T]):
         self.dataset.restore_state(copy.deepcopy(state))
 
     def skip_fast(self, n: int) -> int | None:
-        """The dataset's own ``skip`` when it counts (NOTE [ Datasets without a position ]
-        A plain ``IterableDataset`` (no ``save_state``/``restore_state``, no ``state_dict``/
-        ``load_state_dict``) is read as torch's ``DataLoader`` reads it: ``iter(dataset)`` every
-        epoch, in each worker over that worker's copy (so sharding with ``get_worker_info()``
-        works), batched in the worker. Its cursor's own state is None, so the workers'
-        checkpoints keep working, but no position can be restored from it: the loader refuses
-        to save (``Stage.not_savable``, raised by the loader as ``UnsavableDatasetError`` naming
-        the dataset and what to add) and, after an error, restarts nothing but says that it lost
-        its position. Switching a ``DataLoader`` to ``SavableDataLoader`` therefore works before
-        the dataset is made savable.
-
-        NOTE [ A dataset's skip ])."""
+        """The dataset's own ``skip`` when it counts (NOTE [ A dataset's skip ])."""
         skip = getattr(self.dataset, "skip", None)
         if self._items is not None or not callable(skip):
             return None

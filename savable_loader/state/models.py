@@ -25,10 +25,11 @@ end-of-epoch event, so a replay never crosses an epoch boundary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -38,7 +39,6 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -63,6 +63,18 @@ FORMAT_VERSION = 2
 _MAX_WORKERS = 4096
 
 NonNegative = Annotated[StrictInt, Field(ge=0)]
+
+
+def _plain(what: str) -> Callable[[Any], Any]:
+    """A validator that refuses a value which is not plain data (``plain.py``)."""
+
+    def check(value: Any) -> Any:
+        problem = find_non_plain(value)
+        if problem is not None:
+            raise ValueError(f"{what} is not plain data: {problem}")
+        return value
+
+    return check
 
 
 class _Model(BaseModel):
@@ -103,16 +115,8 @@ class Checkpoint(_Model):
     """
 
     seq: NonNegative
-    state: Any
+    state: Annotated[Any, AfterValidator(_plain("the pipeline state"))]
     rng: RngState
-
-    @field_validator("state")
-    @classmethod
-    def _plain(cls, value: Any) -> Any:
-        problem = find_non_plain(value)
-        if problem is not None:
-            raise ValueError(f"the pipeline state is not plain data: {problem}")
-        return value
 
 
 class OrderSnapshot(_Model):
@@ -129,16 +133,8 @@ class OrderSnapshot(_Model):
 
     rng: RngState
     generators: tuple[Annotated[StrictBytes, Field(max_length=1 << 20)], ...]
-    sampler: Any = None
+    sampler: Annotated[Any, AfterValidator(_plain("the sampler's state"))] = None
     sampler_epoch: StrictInt | None = None
-
-    @field_validator("sampler")
-    @classmethod
-    def _plain(cls, value: Any) -> Any:
-        problem = find_non_plain(value)
-        if problem is not None:
-            raise ValueError(f"the sampler's state is not plain data: {problem}")
-        return value
 
 
 class OrderState(_Model):
