@@ -1,6 +1,7 @@
-"""examples/train_torchrun.py under torchrun: a crashed and resumed run trains on the same batches.
+"""The examples under torchrun: a crashed and resumed run trains on the same batches.
 
-Each run is a real ``python -m torch.distributed.run --standalone --nproc-per-node 2`` job
+examples/train_torchrun.py (a savable dataset) and examples/train_ddp_sampler.py (a
+map-style dataset with ``DistributedSampler``). Each run is a real ``python -m torch.distributed.run --standalone --nproc-per-node 2`` job
 (two gloo ranks, two loader workers each) in a subprocess with a deadline.
 """
 
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_torchrun.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SCRIPT = EXAMPLES / "train_torchrun.py"
 RANKS = 2
 STEPS = 20  # 8 batches per rank per epoch: the runs cross two epoch boundaries
 SAVE_EVERY = 5
@@ -23,17 +25,18 @@ STOP_AT = 13  # after the save at step 10: steps 11 to 13 are trained twice
 RUN_TIMEOUT = 120.0
 
 
-def _torchrun(ckpt: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _torchrun(
+    ckpt: Path, *extra: str, script: Path = SCRIPT, steps: bool = True
+) -> subprocess.CompletedProcess[str]:
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={RANKS}",
-        str(SCRIPT),
+        str(script),
         f"--ckpt={ckpt}",
-        f"--steps={STEPS}",
-        f"--save-every={SAVE_EVERY}",
+        *([f"--steps={STEPS}", f"--save-every={SAVE_EVERY}"] if steps else []),
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -102,5 +105,46 @@ def test_torchrun_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Pa
     want = torch.load(reference / "model.pt", weights_only=True)
     got = torch.load(crashed / "model.pt", weights_only=True)
     assert got["step"] == want["step"] == STEPS
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+
+
+SAMPLER_SCRIPT = EXAMPLES / "train_ddp_sampler.py"
+SAMPLER_STEPS = 15  # 50 points, 2 ranks, batches of 5: 5 steps per epoch, 3 epochs
+SAMPLER_SAVE_EVERY = 4
+SAMPLER_STOP_AT = 10  # the last save was at step 8, in epoch 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_sampler_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Path) -> None:
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+    options = (f"--save-every={SAMPLER_SAVE_EVERY}", "--epochs=3")
+
+    run = _torchrun(reference, *options, script=SAMPLER_SCRIPT, steps=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stop = f"--stop-at={SAMPLER_STOP_AT}"
+    run = _torchrun(crashed, *options, stop, script=SAMPLER_SCRIPT, steps=False)
+    assert run.returncode != 0, "the run with --stop-at should end as a crash does"
+    assert "exitcode  : 17" in run.stderr
+    before = [_log(crashed, rank) for rank in range(RANKS)]
+    run = _torchrun(crashed, *options, script=SAMPLER_SCRIPT, steps=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    last_save = SAMPLER_STOP_AT - SAMPLER_STOP_AT % SAMPLER_SAVE_EVERY
+    for rank in range(RANKS):
+        expected = _log(reference, rank)
+        assert [step for step, _ in expected] == list(range(1, SAMPLER_STEPS + 1))
+        resumed = _log(crashed, rank)
+        assert _last_per_step(resumed) == expected, f"rank {rank} diverged"
+        done = len(before[rank])
+        assert SAMPLER_STOP_AT - 1 <= done <= SAMPLER_STOP_AT
+        assert resumed[:done] == before[rank]
+        steps = [step for step, _ in resumed[done:]]
+        assert steps == list(range(last_save + 1, SAMPLER_STEPS + 1))
+    assert _log(reference, 0) != _log(reference, 1)
+    want = torch.load(reference / "final.pt", weights_only=True)
+    got = torch.load(crashed / "final.pt", weights_only=True)
+    assert got["step"] == want["step"] == SAMPLER_STEPS
     for name, tensor in want["model"].items():
         assert torch.equal(got["model"][name], tensor), name
