@@ -33,6 +33,7 @@ from .datasets.stage import Stage
 from .datasets.stateful import StatefulDataset
 from .errors import ApproximateResumeWarning, StateError, StateMismatchError
 from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState
+from .state.names import name_changes
 
 __all__ = ["reshard"]
 
@@ -136,6 +137,7 @@ def reshard(
         epoch=epoch if approximated is None else target,
         next_worker=0,
         workers=workers,
+        callables=layout.callables,
     )
 
 
@@ -161,8 +163,18 @@ def _check(states: Sequence[RankState], layout: Layout) -> int:
                     f"states[{index}] has {name} {getattr(state, name)!r} but states[0] has "
                     f"{getattr(first, name)!r}: the states come from different saves"
                 )
+    if not layout.matches(first.fingerprint, first.num_workers):
+        raise StateMismatchError(
+            "cannot restore: "
+            + (
+                name_changes(first.callables, layout.callables)
+                or f"the pipeline fingerprint was {first.fingerprint} when the state was "
+                f"saved and is {layout.fingerprint_for(first.num_workers)} now; rebuild the "
+                "pipeline and loader as they were (only the number of workers and ranks may "
+                "change)"
+            )
+        )
     checks = [
-        ("fingerprint", first.fingerprint, layout.fingerprint_for(first.num_workers)),
         ("seed", first.seed, layout.seed),
         ("batch_size", first.batch_size, layout.batch_size),
     ]
