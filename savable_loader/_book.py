@@ -103,6 +103,7 @@ class Book:
                 for w in range(len(self.delivered))
             ),
             order=order,
+            callables=layout.callables,
         )
 
     def all_ended(self) -> bool:

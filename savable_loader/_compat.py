@@ -27,6 +27,7 @@ from ._layout import Layout
 from .errors import StateFormatError, StateMismatchError
 from .state.files import decode_state
 from .state.models import RankState, one_save
+from .state.names import name_changes
 
 __all__ = [
     "check_compatible",
@@ -163,11 +164,14 @@ def check_compatible(state: RankState, layout: Layout) -> None:
                 f"cannot restore: {name} was {saved} when the state was saved and is "
                 f"{current} now; {fix}"
             )
-    if state.fingerprint != layout.fingerprint:
+    if not layout.matches(state.fingerprint, state.num_workers):
+        changes = name_changes(state.callables, layout.callables)
         raise StateMismatchError(
-            f"cannot restore: the pipeline fingerprint was {state.fingerprint} when the "
-            f"state was saved and is {layout.fingerprint} now; the dataset's config() or "
-            "the loader arguments drop_last / collate_fn differ. Rebuild the pipeline "
+            f"cannot restore: {changes}"
+            if changes is not None
+            else f"cannot restore: the pipeline fingerprint was {state.fingerprint} when "
+            f"the state was saved and is {layout.fingerprint} now; the dataset's config() "
+            "or the loader arguments drop_last / collate_fn differ. Rebuild the pipeline "
             "exactly as it was when the state was saved"
         )
 

@@ -9,6 +9,23 @@ generators. The pipeline's root stage then answers one
 :class:`~savable_loader.datasets.elastic.ReshardPlan` per new worker. The new workers
 start the resumed epoch from those states with nothing to replay and their global
 generators seeded for that epoch (NOTE [ Generators per epoch ] in ``_runtime.py``).
+
+NOTE [ A rank at its last batch ]
+A rank saved right after it handed on its last batch of epoch ``e`` has not asked for the
+next one, so its workers' ends of the epoch were never handed on: the state stands in
+``e`` with workers not ``ended``, though nothing of ``e`` is left for it. Next to ranks
+that began ``e + 1`` it must stand where they started from: the start of ``e + 1``. So
+each such worker is run on from its exact position, in the main process by the workers'
+runtime; when its next event is the end of the epoch, the state takes what the worker
+would have saved right after handing that end on (the checkpoint after the end, with its
+generators seeded for ``e + 1``). A worker whose next event is a batch still has items
+of ``e``: next to ranks in ``e + 1`` the save is refused as ranks in different epochs.
+When every rank stands in ``e``, the same is tried for all of them, and the first worker
+with a batch left stops it (so a save mid-epoch costs one batch more): if no rank has a
+batch of ``e`` left, the save restores as one taken between epochs, and the next epoch
+starts as a fresh run's on the new layout. Read as positions instead, such a save would
+leave the positions a filter had not yet read (the worker's last batch was full before
+them) to the new layout, padded for its number of ranks.
 """
 
 from __future__ import annotations
@@ -23,6 +40,7 @@ from typing import Any
 
 import msgpack
 
+from ._events import END, ITEM
 from ._layout import Layout
 from ._runtime import PipelineRuntime, RuntimeSpec, WorkerStart, epoch_rng_state
 from ._version import __version__
@@ -33,6 +51,7 @@ from .datasets.stage import Stage
 from .datasets.stateful import StatefulDataset
 from .errors import ApproximateResumeWarning, StateError, StateMismatchError
 from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState
+from .state.names import name_changes
 
 __all__ = ["reshard"]
 
@@ -50,9 +69,9 @@ def reshard(
             pipeline is not elastic and ``approximate`` is False.
         StateError: A saved position cannot be reached again.
     """
-    epoch = _check(states, layout)
-    saved = states[0]
     between = all(state.between_epochs for state in states)
+    epoch, states = _check(states, layout)
+    saved = states[0]
     target = epoch + 1 if between else epoch
     root = layout.root
     approximated: str | None = None
@@ -136,6 +155,7 @@ def reshard(
         epoch=epoch if approximated is None else target,
         next_worker=0,
         workers=workers,
+        callables=layout.callables,
     )
 
 
@@ -147,11 +167,13 @@ def _restarts_from_initial(root: Stage[Any]) -> bool:
     return isinstance(pipeline, (DatasetStage, StatefulDataset))
 
 
-def _check(states: Sequence[RankState], layout: Layout) -> int:
-    """Checks the states are one save of this pipeline; returns the epoch they stand in.
+def _check(states: Sequence[RankState], layout: Layout) -> tuple[int, Sequence[RankState]]:
+    """Checks the states are one save of this pipeline; returns the epoch they stand in
+    and the states to reshard.
 
     Ranks that finished epoch ``e`` and have not begun ``e + 1`` count as standing at the
-    start of ``e + 1`` when the other ranks already began it.
+    start of ``e + 1`` when the other ranks already began it; so do ranks that handed on
+    their last batch of ``e`` and not yet its end (NOTE [ A rank at its last batch ]).
     """
     first = states[0]  # one_save() checked the list's ranks
     for index, state in enumerate(states):
@@ -161,8 +183,18 @@ def _check(states: Sequence[RankState], layout: Layout) -> int:
                     f"states[{index}] has {name} {getattr(state, name)!r} but states[0] has "
                     f"{getattr(first, name)!r}: the states come from different saves"
                 )
+    if not layout.matches(first.fingerprint, first.num_workers):
+        raise StateMismatchError(
+            "cannot restore: "
+            + (
+                name_changes(first.callables, layout.callables)
+                or f"the pipeline fingerprint was {first.fingerprint} when the state was "
+                f"saved and is {layout.fingerprint_for(first.num_workers)} now; rebuild the "
+                "pipeline and loader as they were (only the number of workers and ranks may "
+                "change)"
+            )
+        )
     checks = [
-        ("fingerprint", first.fingerprint, layout.fingerprint_for(first.num_workers)),
         ("seed", first.seed, layout.seed),
         ("batch_size", first.batch_size, layout.batch_size),
     ]
@@ -175,17 +207,17 @@ def _check(states: Sequence[RankState], layout: Layout) -> int:
             )
     epochs = sorted({state.epoch for state in states})
     if len(epochs) == 1:
-        return epochs[0]
+        return epochs[0], _finished(layout.root, states, epochs[0], strict=False) or states
     # A rank between epochs e and e + 1 stands where one that began e + 1 started from.
-    behind = [state for state in states if state.epoch == epochs[0]]
     ahead = [state for state in states if state.epoch == epochs[-1]]
     if (
         len(epochs) == 2
         and epochs[1] == epochs[0] + 1
-        and all(state.between_epochs for state in behind)
         and not any(state.between_epochs for state in ahead)
     ):
-        return epochs[1]
+        finished = _finished(layout.root, states, epochs[0], strict=True)
+        if finished is not None:
+            return epochs[1], finished
     raise StateMismatchError(
         f"cannot restore onto another layout: the saved ranks stand in different epochs "
         f"{epochs}; restore on the layout it was saved with, or save when every rank is "
@@ -206,23 +238,93 @@ def _pipeline_state(state: Any) -> Any:
     return state["parent"] if isinstance(state, dict) and "parent" in state else state
 
 
+def _finished(
+    root: Stage[Any], states: Sequence[RankState], epoch: int, *, strict: bool
+) -> list[RankState] | None:
+    """The states with every rank of ``epoch`` brought past its end (NOTE [ A rank at its
+    last batch ]); None as soon as one rank still has a batch of it, or (unless
+    ``strict``) its pipeline raises producing that batch."""
+    finished = []
+    for state in states:
+        done = state if state.epoch != epoch else _finish_epoch(root, state, strict=strict)
+        if done is None:
+            return None
+        finished.append(done)
+    return finished
+
+
+def _finish_epoch(root: Stage[Any], state: RankState, *, strict: bool) -> RankState | None:
+    """``state`` once its workers that handed on their last batch of the epoch handed on
+    their end too (NOTE [ A rank at its last batch ]); None when one still has a batch.
+
+    Raises:
+        StateError: A worker's pipeline raised replaying to its saved position, or (when
+            ``strict``) producing what comes next.
+    """
+    if state.between_epochs:
+        return state
+    spec = _spec(root, state)
+    workers = []
+    for worker in state.workers:
+        if worker.ended:
+            workers.append(worker)
+            continue
+        runtime = PipelineRuntime(spec, worker.worker_id, in_main=True)
+        try:
+            _catch_up(runtime, spec, worker)
+            _, seq, kind, _ = next(runtime.epoch())
+            if kind == ITEM or (kind != END and not strict):
+                return None
+            if kind != END:
+                raise StateError(
+                    f"cannot reshard: the pipeline of rank {state.rank} worker "
+                    f"{worker.worker_id} raised after its saved position in epoch "
+                    f"{state.epoch}; restore on the layout it was saved with"
+                )
+            checkpoint = runtime.checkpoint_for(runtime.seq)
+        except StateError:
+            raise
+        except Exception as error:
+            if not strict:
+                return None
+            raise StateError(
+                f"cannot reshard: bringing rank {state.rank} worker {worker.worker_id} to "
+                f"the end of epoch {state.epoch} raised {error!r}; the pipeline must read "
+                "the same items again to be resharded"
+            ) from error
+        finally:
+            runtime.close()
+        workers.append(
+            WorkerState(
+                worker_id=worker.worker_id, delivered=seq + 1, ended=True, checkpoint=checkpoint
+            )
+        )
+    return state.model_copy(update={"workers": tuple(workers), "next_worker": 0})
+
+
+def _spec(root: Stage[Any], state: RankState) -> RuntimeSpec:
+    """How the workers of ``state`` run again in the main process, to where it stood."""
+    return RuntimeSpec(
+        root=root,
+        seed=state.seed,
+        rank=state.rank,
+        world_size=state.world_size,
+        num_workers=state.num_workers,
+        batch_size=state.batch_size,
+        checkpoint_share=1.0,
+        max_lag=0,
+        starts=tuple(
+            WorkerStart(checkpoint=worker.checkpoint, delivered=worker.delivered)
+            for worker in state.workers
+        ),
+        epoch=state.epoch,
+    )
+
+
 def _old_streams(root: Stage[Any], states: Sequence[RankState]) -> list[OldStream]:
     streams = []
     for state in states:
-        spec = RuntimeSpec(
-            root=root,
-            seed=state.seed,
-            rank=state.rank,
-            world_size=state.world_size,
-            num_workers=state.num_workers,
-            batch_size=state.batch_size,
-            checkpoint_share=1.0,
-            max_lag=0,
-            starts=tuple(
-                WorkerStart(checkpoint=worker.checkpoint, delivered=worker.delivered)
-                for worker in state.workers
-            ),
-        )
+        spec = _spec(root, state)
         for worker in state.workers:
             context = spec.context(worker.worker_id)
             streams.append(OldStream(context, _exact_state(spec, worker)))
@@ -236,6 +338,14 @@ def _exact_state(spec: RuntimeSpec, worker: WorkerState) -> Any:
         return None if checkpoint is None else copy.deepcopy(checkpoint.state)
     runtime = PipelineRuntime(spec, worker.worker_id, in_main=True)
     try:
+        return _catch_up(runtime, spec, worker)
+    finally:
+        runtime.close()
+
+
+def _catch_up(runtime: PipelineRuntime, spec: RuntimeSpec, worker: WorkerState) -> Any:
+    """``runtime.catch_up()``, its failure a :class:`StateError`."""
+    try:
         return runtime.catch_up()
     except Exception as error:
         raise StateError(
@@ -243,8 +353,6 @@ def _exact_state(spec: RuntimeSpec, worker: WorkerState) -> Any:
             f"{worker.worker_id} to the position it was saved at raised {error!r}; the "
             "pipeline must read the same items again to be resharded"
         ) from error
-    finally:
-        runtime.close()
 
 
 def _at_start(root: Stage[Any], stream: OldStream, epoch: int) -> bool:

@@ -4,7 +4,6 @@ where it stands in the job."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +11,7 @@ from .config import WorkerContext
 from .datasets.batch import Batch
 from .errors import UnsavableDatasetError
 from .state.fingerprint import fingerprint
+from .state.names import named, qualified_name
 
 __all__ = ["Layout"]
 
@@ -61,23 +61,35 @@ class Layout:
         if problem is not None:
             raise UnsavableDatasetError(problem)
 
+    @functools.cached_property
+    def callables(self) -> dict[str, str]:
+        """The names of the functions and classes the pipeline is built from, by where
+        they stand in its config (``RankState.callables``)."""
+        return named(self._tree(self.num_workers))
+
     def fingerprint_for(self, num_workers: int) -> str:
         """The fingerprint of this pipeline and loader had it ``num_workers`` workers."""
+        return fingerprint(self._tree(num_workers))
+
+    def matches(self, saved: str, num_workers: int) -> bool:
+        """Whether ``saved`` is this pipeline's fingerprint with ``num_workers`` workers,
+        also as a version before NOTE [ Names from a script ] (``state/names.py``) wrote
+        it from a script."""
+        if saved == (self.fingerprint if num_workers == self.num_workers else None):
+            return True
+        tree = self._tree(num_workers)
+        return saved in (fingerprint(tree), fingerprint(tree, raw_names=True))
+
+    def _tree(self, num_workers: int) -> dict[str, Any]:
         root = self.root
         collate = root.collate_fn
-        return fingerprint(
-            {
-                "dataset": root.source.config(),
-                "loader": {
-                    "batch_size": root.batch_size,
-                    "drop_last": root.drop_last,
-                    "seed": self.seed,
-                    "num_workers": num_workers,
-                    "collate_fn": None if collate is None else _qualname(collate),
-                },
-            }
-        )
-
-
-def _qualname(function: Callable[..., Any]) -> str:
-    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}"
+        return {
+            "dataset": root.source.config(),
+            "loader": {
+                "batch_size": root.batch_size,
+                "drop_last": root.drop_last,
+                "seed": self.seed,
+                "num_workers": num_workers,
+                "collate_fn": None if collate is None else qualified_name(collate, unnamed="?"),
+            },
+        }

@@ -19,6 +19,7 @@ from .datasets.sampled import SampledDataset
 from .datasets.stage import Stage
 from .errors import ConfigError
 from .rng import derive_seed
+from .state.names import QualName, qualified_name
 
 __all__ = ["Pipeline", "base_seed_generator", "build_pipeline"]
 
@@ -129,15 +130,19 @@ def build_pipeline(
     return Pipeline(sampled, Batch(sampled, batch_size=None, collate_fn=collate), planner)
 
 
-def _describe(index_sampler: Any) -> str:
+def _describe(index_sampler: Any) -> QualName:
     """What identifies the sampler in the pipeline's fingerprint."""
-    kind = type(index_sampler)
-    name = f"{kind.__module__}.{kind.__qualname__}"
+    kinds = [qualified_name(type(index_sampler))]
     inner = getattr(index_sampler, "sampler", None)
     if inner is not None:
-        name += f"({type(inner).__module__}.{type(inner).__qualname__})"
-    for attribute in ("batch_size", "drop_last"):
-        value = getattr(index_sampler, attribute, None)
-        if isinstance(value, (bool, int)):
-            name += f" {attribute}={value}"
-    return name
+        kinds.append(qualified_name(type(inner)))
+    options = "".join(
+        f" {attribute}={value}"
+        for attribute in ("batch_size", "drop_last")
+        if isinstance(value := getattr(index_sampler, attribute, None), (bool, int))
+    )
+
+    def joined(names: list[str]) -> str:
+        return (f"{names[0]}({names[1]})" if len(names) > 1 else names[0]) + options
+
+    return QualName(joined([str(kind) for kind in kinds]), joined([kind.raw for kind in kinds]))

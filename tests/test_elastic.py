@@ -56,26 +56,31 @@ def _everything(index: int) -> bool:
     return True
 
 
-def _order(shuffle: bool = True) -> list[int]:
-    """Epoch 0's order of ``range(N)`` (what one rank reads)."""
+def _order(shuffle: bool = True, epoch: int = 0) -> list[int]:
+    """The order of ``range(N)`` in ``epoch`` (what one rank reads)."""
     cursor = IndexedDataset(list(range(N)), shuffle=shuffle, seed=SEED).cursor(
         WorkerContext(0, 1, 0, 0, SEED, None)
     )
+    cursor.restore(None)
+    for _ in range(epoch):
+        cursor.end_epoch()
     return list(cursor)
 
 
-def _padded(ranks: int, keep: Callable[[int], bool] = _odd_tens, shuffle: bool = True) -> Counter:
-    """The items of epoch 0 on ``ranks`` ranks: ``N`` padded to a multiple of ``ranks``."""
-    order = _order(shuffle)
+def _padded(
+    ranks: int, keep: Callable[[int], bool] = _odd_tens, shuffle: bool = True, epoch: int = 0
+) -> Counter:
+    """The items of ``epoch`` on ``ranks`` ranks: ``N`` padded to a multiple of ``ranks``."""
+    order = _order(shuffle, epoch)
     return Counter(x for p in range(-(-N // ranks) * ranks) if keep(x := order[p % N]))
 
 
-def _assert_accounted(got: Counter, old_ranks: int, new_ranks: list[int]) -> None:
+def _assert_accounted(got: Counter, old_ranks: int, new_ranks: list[int], epoch: int = 0) -> None:
     """``got`` holds every position of the old layout's padded epoch once, and beyond it
     only the next positions of the cyclic order, fewer than each reshard's new ranks."""
-    base = _padded(old_ranks)
+    base = _padded(old_ranks, epoch=epoch)
     assert not base - got, "items of the epoch were lost"
-    order, start = _order(), -(-N // old_ranks) * old_ranks
+    order, start = _order(epoch=epoch), -(-N // old_ranks) * old_ranks
     allowed = Counter(
         x for i in range(sum(r - 1 for r in new_ranks)) if _odd_tens(x := order[(start + i) % N])
     )
@@ -558,3 +563,54 @@ def test_a_replay_that_raises_during_the_reshard_is_a_state_error():
     ):
         loader.restore_state_rank(state)
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def _save_at_last_batch(
+    workers: int, ahead: int | None
+) -> tuple[list[int], list[int], list[RankState]]:
+    """Two ranks each take every batch of epoch 0 without asking for the next one (so
+    without StopIteration: their workers' ends are not handed on); rank ``ahead``, if
+    any, then ends the epoch and takes one batch of epoch 1. Returns the ids of epoch 0,
+    those of epoch 1 and the states."""
+    epoch_0: list[int] = []
+    epoch_1: list[int] = []
+    states = []
+    for rank in range(2):
+        with _loader(indexed, workers, rank, 2) as loader:
+            count = sum(1 for _ in loader)
+        with _loader(indexed, workers, rank, 2) as loader:
+            stream = iter(loader)
+            epoch_0 += [i for _ in range(count) for i in _ids(next(stream))]
+            if rank == ahead:
+                assert next(stream, None) is None
+                epoch_1 += _ids(next(iter(loader)))
+            states.append(loader.save_state_rank())
+    return epoch_0, epoch_1, states
+
+
+@pytest.mark.parametrize(
+    ("old_w", "ahead", "new_w", "new_r"),
+    [(2, 1, 3, 3), (2, 0, 2, 1), (0, 1, 2, 3), (3, 0, 0, 1)],
+)
+def test_a_rank_right_after_its_last_batch_next_to_ranks_in_the_next_epoch(
+    old_w, ahead, new_w, new_r
+):
+    """NOTE [ A rank at its last batch ] in _elastic.py: it stands at the start of
+    epoch 1, as the rank that began it started from."""
+    epoch_0, head, states = _save_at_last_batch(old_w, ahead)
+    assert Counter(epoch_0) == _padded(2)
+    behind = states[1 - ahead]
+    assert (behind.epoch, behind.between_epochs, states[ahead].epoch) == (0, False, 1)
+    rest, following = _resume(indexed, states, new_w, new_r)
+    _assert_accounted(Counter(head + rest), 2, [new_r], epoch=1)
+    assert following == _fresh_epoch(indexed, new_w, new_r, epoch=2)
+
+
+@pytest.mark.parametrize(("old_w", "new_w", "new_r"), [(2, 3, 3), (0, 2, 1)])
+def test_every_rank_right_after_its_last_batch_resumes_at_the_next_epoch(old_w, new_w, new_r):
+    epoch_0, _, states = _save_at_last_batch(old_w, None)
+    assert Counter(epoch_0) == _padded(2)
+    assert not any(state.between_epochs for state in states)
+    rest, following = _resume(indexed, states, new_w, new_r)
+    assert rest == []  # nothing of epoch 0 left, no padding added: the next iter() is epoch 1
+    assert following == _fresh_epoch(indexed, new_w, new_r, epoch=1)

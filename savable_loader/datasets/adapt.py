@@ -48,6 +48,7 @@ from torch.utils.data import IterableDataset
 
 from ..config import WorkerContext
 from ..errors import ConfigError, SavableLoaderError, UnsavableDatasetError
+from ..state.names import qualified_name
 from .base import SavableDataset
 from .cursor import Cursor
 from .indexed import IndexedDataset
@@ -143,8 +144,7 @@ class DatasetStage(Stage[T]):
         config = getattr(self.dataset, "config", None)
         if callable(config):
             return config()  # type: ignore[no-any-return]
-        kind = type(self.dataset)
-        return {"type": f"{kind.__module__}.{kind.__qualname__}"}
+        return {"type": qualified_name(type(self.dataset))}
 
     def describe(self) -> str:
         return type(self.dataset).__name__

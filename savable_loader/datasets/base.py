@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from torch.utils.data import IterableDataset
 
 from ..config import WorkerContext
+from ..state.names import qualified_name
 
 __all__ = ["SavableDataset"]
 
@@ -52,7 +53,7 @@ class SavableDataset(IterableDataset[T_co], abc.ABC):
 
     def config(self) -> dict[str, Any]:
         """Returns plain data identifying this pipeline; the default names the class."""
-        return {"type": f"{type(self).__module__}.{type(self).__qualname__}"}
+        return {"type": qualified_name(type(self))}
 
     def setup(self, context: WorkerContext) -> None:
         """Called once per worker with its rank and worker id, before any restore."""

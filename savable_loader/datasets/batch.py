@@ -25,6 +25,7 @@ from torch.utils.data import default_collate, default_convert
 
 from ..config import WorkerContext
 from ..errors import ConfigError
+from ..state.names import qualified_name
 from .cursor import Cursor, StageState, TransformCursor
 from .elastic import ReshardPlan
 from .transform import Transform
@@ -75,7 +76,7 @@ class Batch(Transform[Any]):
 
     def config(self) -> dict[str, Any]:
         collate = self.collate_fn
-        name = None if collate is None else f"{collate.__module__}.{collate.__qualname__}"
+        name = None if collate is None else qualified_name(collate)
         return {
             "type": "Batch",
             "batch_size": self.batch_size,

@@ -7,9 +7,9 @@ from typing import Any, TypeVar
 
 from ..config import WorkerContext
 from ..errors import ConfigError
+from ..state.names import qualified_name
 from .cursor import Cursor, TransformCursor
 from .elastic import ReshardPlan
-from .map import qualname
 from .stage import fluent
 from .transform import Transform
 
@@ -44,7 +44,7 @@ class Filter(Transform[T]):
     def config(self) -> dict[str, Any]:
         return {
             "type": "Filter",
-            "predicate": qualname(self.predicate),
+            "predicate": qualified_name(self.predicate),
             "source": self.source.config(),
         }
 

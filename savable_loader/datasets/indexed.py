@@ -55,6 +55,7 @@ from pydantic import Field
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import derive_seed
+from ..state.names import qualified_name
 from .cursor import Cursor, StageState, validate_state
 from .elastic import ReshardPlan
 from .index_order import (
@@ -165,7 +166,7 @@ class IndexedDataset(Stage[T]):
     def config(self) -> dict[str, Any]:
         config = {
             "type": "IndexedDataset",
-            "data": f"{type(self.data).__module__}.{type(self.data).__qualname__}",
+            "data": qualified_name(type(self.data)),
             "len": len(self.data),
             "shuffle": self.shuffled,
             "seed": self.seed,

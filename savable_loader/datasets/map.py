@@ -21,6 +21,7 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
+from ..state.names import qualified_name
 from .cursor import Cursor, StageState, TransformCursor
 from .elastic import ReshardPlan
 from .stage import fluent
@@ -68,7 +69,7 @@ class Map(Transform[U]):
     def config(self) -> dict[str, Any]:
         return {
             "type": "Map",
-            "fn": qualname(self.fn),
+            "fn": qualified_name(self.fn),
             "seed": self.seed,
             "source": self.source.config(),
         }
@@ -152,10 +153,3 @@ class _SeededMapCursor(TransformCursor[U]):
     def end_epoch(self) -> None:
         self.parent.end_epoch()
         self.epoch, self.position, self.salt = self.epoch + 1, 0, None
-
-
-def qualname(function: Callable[..., Any]) -> str:
-    """``module.qualname`` of a function, for configs."""
-    module = getattr(function, "__module__", None) or "?"
-    name = getattr(function, "__qualname__", None) or type(function).__qualname__
-    return f"{module}.{name}"

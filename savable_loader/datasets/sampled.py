@@ -28,6 +28,7 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError, SavableLoaderError, StateError
+from ..state.names import qualified_name
 from .cursor import Cursor, StageState
 from .stage import Stage
 
@@ -112,10 +113,9 @@ class SampledDataset(Stage[Any]):
         self.sampler = sampler
 
     def config(self) -> dict[str, Any]:
-        kind = type(self.data)
         return {
             "type": "SampledDataset",
-            "data": f"{kind.__module__}.{kind.__qualname__}",
+            "data": qualified_name(type(self.data)),
             "len": len(self.data),
             "sampler": self.sampler,
             "batched": self.batched,

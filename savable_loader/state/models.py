@@ -199,6 +199,11 @@ class RankState(_Model):
         workers: One entry per worker (one entry when ``num_workers`` is 0).
         order: How the epoch's order was drawn, when the main process draws it (a
             ``sampler``, ``batch_sampler`` or ``generator``); None otherwise.
+        callables: The names of the functions and classes the pipeline's config names
+            (a ``Map`` function, the ``collate_fn``, the dataset's class), by where they
+            stand in it, so that a refused fingerprint names the one that differs
+            (NOTE [ Names from a script ] in ``names.py``); None in states of earlier
+            versions.
     """
 
     format_version: StrictInt
@@ -213,6 +218,7 @@ class RankState(_Model):
     next_worker: NonNegative
     workers: tuple[WorkerState, ...]
     order: OrderState | None = None
+    callables: dict[StrictStr, StrictStr] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RankState:
