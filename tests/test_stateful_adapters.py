@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import datasets
 import numpy as np
 import pytest
 import torch
@@ -35,6 +34,7 @@ def _hf(*, noisy: bool = False, shuffle: bool = False) -> Any:
     """30 rows in 6 shards. With ``shuffle``, a map before a shuffle buffer: datasets 5
     runs it in the threads that read shards ahead, so a map that draws from the global
     generators goes after the shuffle (there it runs in the consuming thread)."""
+    datasets = pytest.importorskip("datasets", reason="needs the hf extra (Hugging Face datasets)")
     ds = datasets.Dataset.from_dict({"a": list(range(30))}).to_iterable_dataset(num_shards=6)
     if shuffle:
         ds = ds.map(_double).shuffle(seed=7, buffer_size=6)
