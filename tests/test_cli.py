@@ -317,3 +317,29 @@ def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
         _, err = child.communicate(timeout=60)
     assert b"Traceback" not in err, err.decode()
     assert child.returncode == 0
+
+
+def test_inspect_shows_how_a_samplers_order_was_drawn(tmp_path, capsys):
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    data = list(range(20))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    sampler.set_epoch(4)
+    loader = SavableDataLoader(
+        data, batch_size=2, sampler=sampler, generator=torch.Generator().manual_seed(1)
+    )
+    _, path = _save_after(tmp_path, loader, batches=1)
+
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "order of epoch 0 drawn in the main process: 1 generator state(s)" in out
+    assert "sampler epoch 4" in out
+    assert main(["inspect", "--json", str(path)]) == 0
+    (rank,) = json.loads(capsys.readouterr().out)["ranks"]
+    assert rank["order"] == {
+        "epoch": 0,
+        "generators": 1,
+        "sampler_state": False,
+        "sampler_epoch": 4,
+    }

@@ -62,7 +62,21 @@ def _rank_summary(state: RankState) -> dict[str, Any]:
         "between_epochs": state.between_epochs,
         "fingerprint": state.fingerprint,
         "next_worker": state.next_worker,
+        "order": _order_summary(state),
         "workers": [_worker_summary(worker) for worker in state.workers],
+    }
+
+
+def _order_summary(state: RankState) -> dict[str, Any] | None:
+    """How the main process drew the epoch's order (samplers, ``generator=``), if it did."""
+    order = state.order
+    if order is None:
+        return None
+    return {
+        "epoch": order.epoch,
+        "generators": len(order.before.generators),
+        "sampler_state": order.before.sampler is not None,
+        "sampler_epoch": order.before.sampler_epoch,
     }
 
 
@@ -148,6 +162,15 @@ def _render_rank(rank: dict[str, Any]) -> Iterator[str]:
         position = f"epoch {rank['epoch']} in progress, next worker {rank['next_worker']}"
     yield f"  {position}"
     yield f"  fingerprint {rank['fingerprint']}"
+    order = rank.get("order")
+    if order is not None:
+        sampler_epoch = order["sampler_epoch"]
+        yield (
+            f"  order of epoch {order['epoch']} drawn in the main process: "
+            f"{order['generators']} generator state(s) of yours, the global generators'"
+            + (", the sampler's state_dict()" if order["sampler_state"] else "")
+            + (f", sampler epoch {sampler_epoch}" if sampler_epoch is not None else "")
+        )
     header = ["worker", "delivered", "ended", "checkpoint seq", "replay", "exhausted"]
     rows = [
         [
