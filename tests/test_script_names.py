@@ -212,3 +212,13 @@ def test_name_changes_reports_only_same_shaped_pipelines():
     assert "x was a.f when the state was saved and is a.g now" in str(
         name_changes({"x": "a.f"}, {"x": "a.g"})
     )
+
+
+def test_names_survive_pickling_into_spawned_workers():
+    import pickle
+
+    from savable_loader.state.names import qualified_name
+
+    name = qualified_name(test_names_outside_a_script_keep_their_module)
+    copy = pickle.loads(pickle.dumps(name))
+    assert (copy, copy.raw, type(copy)) == (name, name.raw, type(name))

@@ -43,6 +43,10 @@ class QualName(str):
         self.raw = raw
         return self
 
+    def __reduce__(self) -> tuple[type[QualName], tuple[str, str]]:
+        # Stages keep names; under spawn and forkserver they are pickled into the workers.
+        return (QualName, (str(self), self.raw))
+
 
 def qualified_name(obj: object, *, unnamed: str | None = None) -> QualName:
     """The name of a function or class for ``config()`` (NOTE [ Names from a script ]).
