@@ -35,7 +35,6 @@ drawn with the epoch it was saved in: a different one is an error naming both.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -155,7 +154,7 @@ class EpochPlanner:
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
             )
         if self.index_sampler is not None:
-            groups = list(_iterate(self.index_sampler))
+            groups = list(self.index_sampler)
             self.order.epoch = epoch
             fresh = EpochOrder.of(epoch, groups, batched=self.batched)
             self.order.indices, self.order.offsets = fresh.indices, fresh.offsets
@@ -198,7 +197,7 @@ class EpochPlanner:
         epoch = getattr(sampler, "epoch", None)
         return OrderSnapshot(
             rng=global_rng,
-            generators=tuple(bytes(g.get_state().numpy().tobytes()) for g in self._generators),
+            generators=tuple(g.get_state().numpy().tobytes() for g in self._generators),
             sampler=sampler_state,
             sampler_epoch=epoch if type(epoch) is int else None,
         )
@@ -223,7 +222,3 @@ class EpochPlanner:
         load = getattr(sampler, "load_state_dict", None)
         if snapshot.sampler is not None and callable(load):
             load(snapshot.sampler)
-
-
-def _iterate(index_sampler: Any) -> Iterator[Any]:
-    yield from index_sampler

@@ -9,10 +9,11 @@ is the next ``batch_size`` items of the parent, merged by ``collate_fn`` (torch'
 batch fills, the short batch is yielded (or dropped with ``drop_last``) and the parent
 already stands at its next epoch, so the batch remembers that its own epoch ends next
 (``exhausted``). Being a stage, batching replays like any other: a restore passes the
-batches it must recompute with ``skip``. With the default ``collate_fn`` the batch's
-items are passed through the parent's own ``skip`` (an indexed source moves by
-arithmetic); a ``collate_fn`` of your own runs on the replayed batches, since it may draw
-from the global generators and the draws must be the same as the first time.
+batches it must recompute with ``skip``. With torch's own ``collate_fn``
+(``default_collate``, ``default_convert``, or None for them) the batch's items are
+passed through the parent's own ``skip`` (an indexed source moves by arithmetic); a
+``collate_fn`` of your own runs on the replayed batches, since it may draw from the
+global generators and the draws must be the same as the first time.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ class _BatchCursor(TransformCursor[Any]):
         super().__init__(parent, context)
         self.size = stage.batch_size
         self.drop_last = stage.drop_last
-        self.default = stage.collate_fn is None
+        # Torch's own collate functions draw nothing, so skipping them is exact too (the
+        # loader passes default_collate explicitly for a batch sampler's groups).
+        self.default = stage.collate_fn in (None, default_collate, default_convert)
         if stage.collate_fn is not None:
             self.collate: Callable[[Any], Any] = stage.collate_fn
         else:
