@@ -68,6 +68,29 @@ def _last_per_step(log: list[tuple[int, str]]) -> list[tuple[int, str]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+def _assert_resumed(
+    reference: Path,
+    crashed: Path,
+    before: list[list[tuple[int, str]]],
+    *,
+    steps: int,
+    last_save: int,
+) -> None:
+    """Every rank of the crashed-and-resumed run trained on the reference's batches: its
+    log up to the crash is kept, the resumed run starts right after the last save (the
+    steps after it are trained twice, on the same batches), and ranks read different data."""
+    for rank in range(RANKS):
+        expected = _log(reference, rank)
+        assert [step for step, _ in expected] == list(range(1, steps + 1))
+        resumed = _log(crashed, rank)
+        assert _last_per_step(resumed) == expected, f"rank {rank} diverged"
+        done = len(before[rank])
+        assert resumed[:done] == before[rank]
+        assert [step for step, _ in resumed[done:]] == list(range(last_save + 1, steps + 1))
+        assert set(resumed[last_save:done]) <= set(resumed[done:])
+    assert _log(reference, 0) != _log(reference, 1)
+
+
 def test_torchrun_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Path) -> None:
     assert STOP_AT % SAVE_EVERY != 0
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
@@ -87,19 +110,9 @@ def test_torchrun_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Pa
     run = _torchrun(crashed)
     assert run.returncode == 0, run.stderr[-3000:]
 
-    last_save = STOP_AT - STOP_AT % SAVE_EVERY
-    for rank in range(RANKS):
-        expected = _log(reference, rank)
-        assert [step for step, _ in expected] == list(range(1, STEPS + 1))
-        resumed = _log(crashed, rank)
-        assert _last_per_step(resumed) == expected, f"rank {rank} diverged"
-        # The resumed run started after the last save: the steps after it were trained
-        # twice, on the same batches.
-        done = len(before[rank])
-        assert resumed[:done] == before[rank]
-        assert [step for step, _ in resumed[done:]] == list(range(last_save + 1, STEPS + 1))
-        assert set(resumed[last_save:done]) <= set(resumed[done:])
-    assert _log(reference, 0) != _log(reference, 1)
+    _assert_resumed(
+        reference, crashed, before, steps=STEPS, last_save=STOP_AT - STOP_AT % SAVE_EVERY
+    )
 
     # Same batches and a restored optimizer: the final models are equal bit for bit.
     want = torch.load(reference / "model.pt", weights_only=True)
@@ -131,18 +144,10 @@ def test_sampler_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Pat
     run = _torchrun(crashed, *options, script=SAMPLER_SCRIPT, steps=False)
     assert run.returncode == 0, run.stderr[-3000:]
 
+    for log in before:
+        assert SAMPLER_STOP_AT - 1 <= len(log) <= SAMPLER_STOP_AT
     last_save = SAMPLER_STOP_AT - SAMPLER_STOP_AT % SAMPLER_SAVE_EVERY
-    for rank in range(RANKS):
-        expected = _log(reference, rank)
-        assert [step for step, _ in expected] == list(range(1, SAMPLER_STEPS + 1))
-        resumed = _log(crashed, rank)
-        assert _last_per_step(resumed) == expected, f"rank {rank} diverged"
-        done = len(before[rank])
-        assert SAMPLER_STOP_AT - 1 <= done <= SAMPLER_STOP_AT
-        assert resumed[:done] == before[rank]
-        steps = [step for step, _ in resumed[done:]]
-        assert steps == list(range(last_save + 1, SAMPLER_STEPS + 1))
-    assert _log(reference, 0) != _log(reference, 1)
+    _assert_resumed(reference, crashed, before, steps=SAMPLER_STEPS, last_save=last_save)
     want = torch.load(reference / "final.pt", weights_only=True)
     got = torch.load(crashed / "final.pt", weights_only=True)
     assert got["step"] == want["step"] == SAMPLER_STEPS
