@@ -166,6 +166,11 @@ def check_compatible(state: RankState, layout: Layout) -> None:
             )
     if not layout.matches(state.fingerprint, state.num_workers):
         changes = name_changes(state.callables, layout.callables)
+        if layout.saved_with_file_split(state.fingerprint, state.num_workers):
+            changes = (
+                "the state was saved with file sources that give whole files to streams; "
+                'build every JsonLinesSource and TarSource with split="files" to continue it'
+            )
         raise StateMismatchError(
             f"cannot restore: {changes}"
             if changes is not None

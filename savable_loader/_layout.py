@@ -80,6 +80,13 @@ class Layout:
         tree = self._tree(num_workers)
         return saved in (fingerprint(tree), fingerprint(tree, raw_names=True))
 
+    def saved_with_file_split(self, saved: str, num_workers: int) -> bool:
+        """Whether ``saved`` is this pipeline's fingerprint with its file sources built
+        with ``split="files"`` (NOTE [ Shard listing and assignment ] in
+        ``datasets/sharded.py``): a state saved before ``split="samples"`` existed."""
+        tree = _without_sample_split(self._tree(num_workers))
+        return saved in (fingerprint(tree), fingerprint(tree, raw_names=True))
+
     def _tree(self, num_workers: int) -> dict[str, Any]:
         root = self.root
         collate = root.collate_fn
@@ -93,3 +100,15 @@ class Layout:
                 "collate_fn": None if collate is None else qualified_name(collate, unnamed="?"),
             },
         }
+
+
+def _without_sample_split(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {
+            key: _without_sample_split(value)
+            for key, value in tree.items()
+            if not (key == "split" and value == "samples")
+        }
+    if isinstance(tree, list):
+        return [_without_sample_split(value) for value in tree]
+    return tree

@@ -21,22 +21,29 @@ Failures to read the bytes (missing file, network, a corrupt gzip stream) are
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import IO, Any
 
 from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
-from .sharded import ShardCursor, ShardedSource, ShardState, storage_errors
+from .file_cursor import ShardCursor
+from .sharded import SampleState, ShardedSource, ShardState, storage_errors
 
 __all__ = ["JsonLinesSource"]
 
 
 class _State(ShardState):
-    """A JSON lines stream's position (NOTE [ JSON lines position ])."""
+    """A JSON lines stream's position with ``split="files"`` (NOTE [ JSON lines position ])."""
 
     line: int = Field(ge=0, description="Lines of that file already read, blank ones too.")
     offset: int = Field(ge=0, description="Byte offset of the next line, decompressed.")
+
+
+class _SampleState(SampleState):
+    """A JSON lines stream's position with ``split="samples"`` (NOTE [ JSON lines position ])."""
+
+    line: int = Field(ge=0, description="Lines of that file before offset, blank ones too.")
 
 
 class JsonLinesSource(ShardedSource[Any]):
@@ -71,9 +78,14 @@ class JsonLinesSource(ShardedSource[Any]):
 
     position_fields = ("offset", "line")
     State = _State
+    SampleModel = _SampleState
 
     def cursor(self, context: WorkerContext) -> JsonLinesCursor:
         return JsonLinesCursor(self, context)
+
+    def count_items(self, file: IO[bytes], url: str) -> int:
+        """The non-blank lines of ``file`` (NOTE [ Counting samples ] in ``sharded.py``)."""
+        return sum(1 for raw in file if raw.strip())
 
 
 class JsonLinesCursor(ShardCursor[Any]):
@@ -83,26 +95,26 @@ class JsonLinesCursor(ShardCursor[Any]):
         super().__init__(stage, context)
         self.line = 0
 
-    def __next__(self) -> Any:
+    def read_item(self, url: str) -> Any:
+        raw = self._line(url)
+        return None if raw is None else _parse(raw, url, self.line)
+
+    def pass_item(self, url: str) -> bool:
+        return self._line(url) is not None
+
+    def _line(self, url: str) -> bytes | None:
+        """The next non-blank line, unparsed; None at the end of the file."""
+        file = self.open_file(url)
         while True:
-            url = self.url()
-            if url is None:
-                self.end_epoch()
-                raise StopIteration
-            try:
-                file = self.open_file(url)
-                with storage_errors(url):
-                    raw = file.readline()
-            except BaseException:
-                self.close()  # a retry reopens the file at the same offset
-                raise
+            with storage_errors(url):
+                raw = file.readline()
             if not raw:
-                self.next_shard()
-                continue
+                self.file_done = True
+                return None
             self.line += 1
             self.offset += len(raw)
             if raw.strip():
-                return _parse(raw, url, self.line)
+                return raw
 
     def position(self) -> tuple[int, ...]:
         return self.offset, self.line

@@ -3,11 +3,24 @@
 NOTE [ Shard listing and assignment ]
 The files are listed and sorted as NOTE [ Listing files ] in ``files.py`` says. In
 epoch ``e`` the files come in that sorted order, or in a permutation drawn from
-``(seed, e)`` with ``shuffle_shards``; file ``i`` of that order goes to the (rank,
-worker) stream whose ``context.shard_index`` is ``i % context.num_shards``. A stream
-reads its files one after the other, so its position is an index into its own list
-plus a position inside the current file, and the list of the next epoch costs nothing
-until it is read.
+``(seed, e)`` with ``shuffle_shards``. With ``split="samples"`` (the default) the
+samples of the epoch are shared out over the (rank, worker) streams so that every rank
+reads as many (NOTE [ Splitting files by samples ] in ``sample_split.py``). With
+``split="files"`` (the only rule before the option existed) whole files are: file ``i`` of
+the order goes to the stream whose ``context.shard_index`` is ``i % context.num_shards``,
+which reads its files one after the other, so its position is an index into its own
+list plus a position inside the current file. Files of different sizes then give ranks
+different numbers of samples. ``config()`` names ``split`` only with ``"samples"``, so
+states saved before the option existed keep their fingerprint when the source is built
+with ``split="files"``.
+
+NOTE [ Counting samples ]
+``split="samples"`` needs the number of samples of every file. The source counts them
+the first time a layout with more than one stream needs them (the loader asks when it
+is built, in the main process, so its workers inherit the counts), reading every file
+once in a few threads: lines for JSON lines, member headers for tar. The counts stay with
+the stage object (and its pickles) for the life of the process. Files that change after
+they were counted are an error when read, not a silent shift.
 
 NOTE [ Seeking into compressed files ]
 Files are opened through fsspec with ``compression="infer"`` (``.gz``, ``.bz2``,
@@ -20,9 +33,11 @@ therefore not free; small shards keep them cheap.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from typing import IO, Any, ClassVar, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any, ClassVar, Literal, TypeVar
 
 import fsspec
 import numpy as np
@@ -30,19 +45,25 @@ import numpy as np
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import derive_seed
-from .cursor import Cursor, validate_state
+from .cursor import validate_state
 from .elastic import ReshardPlan
-from .file_rest import Rest, ShardState, check_begun, reshard_files
+from .file_rest import Rest, ShardState, reshard_files
 from .files import Urls, expand_urls, storage_errors
+from .index_order import Even, epoch_length
+from .sample_split import SampleState, Spans, reshard_samples
 from .stage import Stage
 
-__all__ = ["ShardCursor", "ShardState", "ShardedSource", "storage_errors"]
+__all__ = ["SampleState", "ShardState", "ShardedSource", "Split", "storage_errors"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 _ORDER_PURPOSE = 0x5A4D
+_COUNTING_THREADS = 8
+
+#: How a file source shares an epoch out over streams (NOTE [ Shard listing and assignment ]).
+Split = Literal["samples", "files"]
 
 
 class ShardedSource(Stage[T]):
@@ -52,6 +73,10 @@ class ShardedSource(Stage[T]):
         urls: A path, glob or fsspec URL, or a list of them.
         shuffle_shards: Visit the files in a new seeded order every epoch.
         seed: Seed of those orders.
+        split: ``"samples"`` shares the epoch's samples out so that every rank reads
+            as many; ``"files"`` gives each stream whole files.
+        even: With ``split="samples"``: ``"pad"`` repeats the first samples so that
+            the ranks' shares are equal, ``"drop"`` leaves the last ones out.
         storage_options: Passed to fsspec (credentials, endpoint...); not part of
             ``config()``.
 
@@ -64,6 +89,8 @@ class ShardedSource(Stage[T]):
     position_fields: ClassVar[tuple[str, ...]] = ("offset",)
     #: The model of the state (subclasses add the fields after ``offset``).
     State: ClassVar[type[ShardState]] = ShardState
+    #: The model of the state with ``split="samples"`` (subclasses add the same fields).
+    SampleModel: ClassVar[type[SampleState]] = SampleState
 
     def __init__(
         self,
@@ -71,6 +98,8 @@ class ShardedSource(Stage[T]):
         *,
         shuffle_shards: bool = False,
         seed: int = 0,
+        split: Split = "samples",
+        even: Even = "pad",
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         name = type(self).__name__
@@ -78,6 +107,15 @@ class ShardedSource(Stage[T]):
             raise ConfigError(f"{name} shuffle_shards must be a bool, got {shuffle_shards!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ConfigError(f"{name} seed must be an int, got {seed!r}")
+        if split not in ("samples", "files"):
+            raise ConfigError(f'{name} split must be "samples" or "files", got {split!r}')
+        if even not in ("pad", "drop"):
+            raise ConfigError(f'{name} even must be "pad" or "drop", got {even!r}')
+        if split == "files" and even != "pad":
+            raise ConfigError(
+                f'{name} even={even!r} applies to split="samples"; split="files" gives '
+                "whole files to streams and neither pads nor drops"
+            )
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"{name} storage_options must be a dict or None")
         self.storage_options: dict[str, Any] = dict(storage_options or {})
@@ -85,29 +123,76 @@ class ShardedSource(Stage[T]):
         self.urls = expand_urls(urls, self.storage_options, name)
         self.shuffle_shards = shuffle_shards
         self.seed = seed
+        self.split: Split = split
+        self.even: Even = even
+        self._counts: tuple[int, ...] | None = None
 
     def config(self) -> dict[str, Any]:
-        return {
+        config: dict[str, Any] = {
             "type": type(self).__name__,
             "urls": list(self.urls),
             "shuffle_shards": self.shuffle_shards,
             "seed": self.seed,
         }
+        if self.split == "samples":  # NOTE [ Shard listing and assignment ]
+            config["split"] = "samples"
+        if self.even != "pad":
+            config["even"] = self.even
+        return config
 
     def describe(self) -> str:
         count = f"{len(self.urls)} file{'' if len(self.urls) == 1 else 's'}"
         shuffled = f", shuffle_shards=True, seed={self.seed}" if self.shuffle_shards else ""
-        return f"{type(self).__name__}({count}{shuffled})"
+        split = ', split="files"' if self.split == "files" else ""
+        even = f", even={self.even!r}" if self.even != "pad" else ""
+        return f"{type(self).__name__}({count}{shuffled}{split}{even})"
 
-    def check_layout(self, context: WorkerContext) -> None:
-        """Refuses more (rank, worker) streams than files (NOTE [ Shard listing and
-        assignment ]): a stream without a file would yield nothing, and its rank would
-        leave the others waiting in a collective.
+    def count_items(self, file: IO[bytes], url: str) -> int:
+        """The number of samples in the open ``file`` (NOTE [ Counting samples ])."""
+        raise NotImplementedError(f"{type(self).__name__} cannot count its samples")
+
+    def sample_counts(self) -> tuple[int, ...]:
+        """The samples of each file of ``urls``, counted once (NOTE [ Counting samples ]).
 
         Raises:
-            ConfigError: A stream would read no file; names the first one (of this rank
-                when it has one), the numbers of files and streams, and the fix.
+            StorageError: Reading a file failed.
         """
+        if self._counts is None:
+
+            def count(url: str) -> int:
+                with storage_errors(url), self.open(url) as file:
+                    return self.count_items(file, url)
+
+            threads = min(_COUNTING_THREADS, len(self.urls))
+            with ThreadPoolExecutor(threads, thread_name_prefix="count-samples") as pool:
+                self._counts = tuple(pool.map(count, self.urls))
+            logger.debug(
+                "%s: %d samples in %d files", self.describe(), sum(self._counts), len(self._counts)
+            )
+        return self._counts
+
+    def sample_starts(self, epoch: int) -> list[int]:
+        """The first sample of each file of ``epoch``'s order, in that order."""
+        counts = self.sample_counts()
+        return [0, *itertools.accumulate(counts[i] for i in self.order(epoch))][:-1]
+
+    def check_layout(self, context: WorkerContext) -> None:
+        """Refuses a layout on which a stream would read nothing while others read.
+
+        With ``split="samples"`` the samples are counted here (NOTE [ Counting samples ])
+        and a layout is refused when the ranks would read no sample; with
+        ``split="files"``, when a stream would get no file (NOTE [ Shard listing and
+        assignment ]): its rank would leave the others waiting in a collective.
+
+        Raises:
+            ConfigError: A rank or stream would read nothing; names it, the numbers of
+                files, samples and streams, and the fix.
+            StorageError: Counting the samples failed.
+        """
+        if self.split == "samples":
+            if context.num_shards > 1:
+                self._check_samples(context)
+            return
         files, streams = len(self.urls), context.num_shards
         if files >= streams:
             return
@@ -120,6 +205,18 @@ class ShardedSource(Stage[T]):
             f"would read no file and yield nothing while other ranks wait for it; use at "
             f"most {files} streams (fewer workers or ranks) or split the data into at "
             f"least {streams} files"
+        )
+
+    def _check_samples(self, context: WorkerContext) -> None:
+        samples, ranks = sum(self.sample_counts()), context.world_size
+        if epoch_length(samples, ranks, self.even) > 0:
+            return
+        fix = 'use even="pad" or fewer ranks' if samples else "check the files"
+        raise ConfigError(
+            f"{self.describe()}: rank {context.rank} would read no sample: {samples} "
+            f"sample{'s' * (samples != 1)} in {len(self.urls)} files over {ranks} "
+            f"rank{'s' * (ranks != 1)} (even={self.even!r}) leave every rank with an empty "
+            f"epoch; {fix}"
         )
 
     def open(self, url: str) -> IO[bytes]:
@@ -138,7 +235,7 @@ class ShardedSource(Stage[T]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_filesystems"] = {}  # rebuilt where the stage is read
+        state["_filesystems"] = {}  # rebuilt where the stage is read; the counts travel
         return state
 
     def order(self, epoch: int) -> list[int]:
@@ -155,6 +252,35 @@ class ShardedSource(Stage[T]):
         files = range(len(self.urls)) if rest is None else rest.files
         return list(files[context.shard_index :: context.num_shards])
 
+    def parse_samples(self, state: Any | None) -> tuple[SampleState, Spans | None]:
+        """A ``split="samples"`` ``state`` validated (None: the start of epoch 0), and the
+        spans of ids it records after an elastic restore.
+
+        Raises:
+            StateError: ``state`` is malformed or was saved with ``split="files"``.
+        """
+        name = type(self).__name__
+        if state is None:
+            start = {"epoch": 0, "taken": 0, "file": 0, "at": 0}
+            return self.SampleModel.model_validate({**start, **self.zero_position()}), None
+        if isinstance(state, dict) and "shard" in state:
+            raise StateError(
+                f'{name}: the state was saved with split="files" and this source splits '
+                f'by samples; build it with split="files" to continue that state'
+            )
+        model = validate_state(self.SampleModel, state, name)
+        if (model.rest is None) != (model.length is None):
+            raise StateError(
+                f"{name}: malformed state (rest and length come together); restore a state "
+                "saved by the same pipeline"
+            )
+        spans = None if model.rest is None else Spans.parse(model.rest, model.length or 0, name)
+        return model, spans
+
+    def zero_position(self) -> dict[str, int]:
+        """The position at the start of a file, as the state names it."""
+        return dict.fromkeys(self.position_fields, 0)
+
     def parse_state(self, state: Any | None) -> tuple[ShardState, Rest | None]:
         """``state`` validated (None: the start of epoch 0), and the rest it records.
 
@@ -165,6 +291,11 @@ class ShardedSource(Stage[T]):
         if state is None:
             start = {"epoch": 0, "shard": 0, **dict.fromkeys(self.position_fields, 0)}
             return self.State.model_validate(start), None
+        if isinstance(state, dict) and "taken" in state:
+            raise StateError(
+                f'{name}: the state was saved with split="samples" and this source gives '
+                f'whole files to streams; build it with split="samples" to continue that state'
+            )
         model = validate_state(self.State, state, name)
         return model, Rest.parse(model, len(self.urls), self.position_fields, name)
 
@@ -173,137 +304,13 @@ class ShardedSource(Stage[T]):
         return tuple(int(getattr(state, field)) for field in self.position_fields)
 
     def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
-        """The state of ``plan.new``'s stream (NOTE [ Elastic file order ] in
-        ``file_rest.py``).
+        """The state of ``plan.new``'s stream (NOTE [ Elastic sample order ] in
+        ``sample_split.py``, NOTE [ Elastic file order ] in ``file_rest.py``).
 
         Raises:
             StateError: The saved states are malformed, stand in another epoch or
                 disagree on what was left of the epoch.
         """
+        if self.split == "samples":
+            return reshard_samples(self, plan)
         return reshard_files(self, plan)
-
-
-class ShardCursor(Cursor[T]):
-    """Reads one stream's files: the epoch, the file index, one open file at a time.
-
-    Subclasses read items from :meth:`open_file` and keep ``offset`` up to date; those
-    whose position inside a file holds more than ``offset`` override :meth:`position`
-    and :meth:`set_position`.
-    """
-
-    def __init__(self, stage: ShardedSource[T], context: WorkerContext) -> None:
-        super().__init__(context)
-        self.stage = stage
-        self.epoch = 0
-        self.shard = 0
-        self.offset = 0
-        self.file: IO[bytes] | None = None
-        #: What is left of epoch ``self.epoch`` after an elastic restore, else None.
-        self.rest: Rest | None = None
-        self._files: tuple[int, list[int], list[str]] = (-1, [], [])
-        if context.shard_index >= len(stage.urls):
-            logger.warning(
-                "%s: %d files for %d streams (%d ranks x %d workers): rank %d worker %d "
-                "reads no file and yields nothing",
-                stage.describe(),
-                len(stage.urls),
-                context.num_shards,
-                context.world_size,
-                max(context.num_workers, 1),
-                context.rank,
-                context.worker_id,
-            )
-
-    def _layout(self) -> tuple[list[int], list[str]]:
-        """This stream's files of the epoch: their places in the epoch's order, their URLs."""
-        epoch, places, urls = self._files
-        if epoch != self.epoch:
-            places = self.stage.places(self.context, self.rest)
-            order = self.stage.order(self.epoch)
-            urls = [self.stage.urls[order[place]] for place in places]
-            self._files = (self.epoch, places, urls)
-        return places, urls
-
-    def url(self) -> str | None:
-        """The file being read, or None once this stream's files of the epoch are done."""
-        urls = self._layout()[1]
-        return urls[self.shard] if self.shard < len(urls) else None
-
-    def start(self, shard: int) -> tuple[int, ...]:
-        """Where this stream begins its file ``shard``: the file's start, or where an
-        elastic restore left it (NOTE [ Elastic file order ])."""
-        places = self._layout()[0]
-        if self.rest is not None and shard < len(places) and places[shard] in self.rest.starts:
-            return self.rest.starts[places[shard]]
-        return (0,) * len(self.stage.position_fields)
-
-    def position(self) -> tuple[int, ...]:
-        """The position inside the current file, as ``stage.position_fields`` names it."""
-        return (self.offset,)
-
-    def set_position(self, position: tuple[int, ...]) -> None:
-        """Takes back what :meth:`position` gave."""
-        (self.offset,) = position
-
-    def open_file(self, url: str) -> IO[bytes]:
-        """Returns the open file of the current shard, positioned at ``offset``."""
-        if self.file is None:
-            with storage_errors(url):
-                file = self.stage.open(url)
-                try:
-                    if self.offset:
-                        file.seek(self.offset)
-                except BaseException:
-                    file.close()
-                    raise
-            self.file = file
-        return self.file
-
-    def close_own(self) -> None:
-        """Closes the open file, if any; the position is kept."""
-        file, self.file = self.file, None
-        if file is not None:
-            file.close()
-
-    def move(self, epoch: int, shard: int, position: tuple[int, ...] | None = None) -> None:
-        """Closes the open file and stands at ``position`` in file ``shard`` of ``epoch``
-        (None: where this stream begins that file)."""
-        self.close_own()
-        self.epoch, self.shard = epoch, shard
-        self.set_position(self.start(shard) if position is None else position)
-
-    def next_shard(self) -> None:
-        """Moves to the beginning of this stream's next file."""
-        self.move(self.epoch, self.shard + 1)
-
-    def end_epoch(self) -> None:
-        self.rest = None
-        self._files = (-1, [], [])
-        self.move(self.epoch + 1, 0)
-
-    def own_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"epoch": self.epoch, "shard": self.shard}
-        state.update(zip(self.stage.position_fields, self.position(), strict=True))
-        if self.rest is not None:
-            state.update(self.rest.fields())
-        return state
-
-    def restore_own(self, state: Any | None) -> None:
-        model, rest = self.stage.parse_state(state)
-        position = self.stage.position(model)
-        if rest is not None:
-            places = self.stage.places(self.context, rest)
-            context = self.context
-            where = f"{type(self.stage).__name__}, rank {context.rank} worker {context.worker_id}"
-            if model.shard > len(places):
-                raise StateError(
-                    f"{where}: file {model.shard} is past the stream's {len(places)} files "
-                    f"left of epoch {model.epoch}; restore a state saved by the same pipeline"
-                )
-            if model.shard < len(places) and places[model.shard] in rest.starts:
-                begun = rest.starts[places[model.shard]]
-                check_begun(position, begun, self.stage.position_fields, where)
-        self.close_own()
-        self.rest = rest
-        self._files = (-1, [], [])
-        self.move(model.epoch, model.shard, position)

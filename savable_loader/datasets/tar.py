@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import logging
 import tarfile
-from typing import Any
+from typing import IO, Any
 
 from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
-from .sharded import ShardCursor, ShardedSource, ShardState, storage_errors
+from .file_cursor import ShardCursor
+from .sharded import ShardedSource, ShardState, storage_errors
 
 __all__ = ["TarSource"]
 
@@ -80,6 +81,24 @@ class TarSource(ShardedSource[dict[str, Any]]):
     def cursor(self, context: WorkerContext) -> TarCursor:
         return TarCursor(self, context)
 
+    def count_items(self, file: IO[bytes], url: str) -> int:
+        """The samples of the shard, from its member headers (NOTE [ Counting samples ]
+        in ``sharded.py``)."""
+        count, key = 0, None
+        try:
+            tar = tarfile.open(fileobj=file, mode="r|")  # noqa: SIM115 (closed below)
+        except tarfile.ReadError as exc:
+            if str(exc) == "empty file":
+                return 0
+            raise
+        with tar:
+            for member in tar:
+                tar.members = []  # type: ignore[attr-defined]
+                name, _ = _split(member.name)
+                if member.isreg() and name and name != key:
+                    count, key = count + 1, name
+        return count
+
 
 class TarCursor(ShardCursor[dict[str, Any]]):
     """Reads a :class:`TarSource` for one rank and worker; one open shard at most."""
@@ -90,27 +109,13 @@ class TarCursor(ShardCursor[dict[str, Any]]):
         self._base = 0
         self._pending: tarfile.TarInfo | None = None
 
-    def __next__(self) -> dict[str, Any]:
-        while True:
-            url = self.url()
-            if url is None:
-                self.end_epoch()
-                raise StopIteration
-            try:
-                sample = self._sample(url)
-            except BaseException:
-                self.close()  # a retry reopens the shard at the sample's start
-                raise
-            if sample is not None:
-                return sample
-
-    def _sample(self, url: str) -> dict[str, Any] | None:
-        """Reads the next sample of ``url``; at its end moves to the next shard."""
+    def read_item(self, url: str) -> dict[str, Any] | None:
+        """Reads the next sample of ``url`` (None at its end, NOTE [ Tar position ])."""
         sample: dict[str, Any] | None = None
         while True:
             member = self._member(url)
             if member is None:
-                self.next_shard()
+                self.file_done = True
                 return sample
             key, ext = _split(member.name)
             if not member.isreg() or not key:
