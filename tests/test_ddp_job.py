@@ -4,19 +4,19 @@
 Every case trains a ``DistributedDataParallel`` linear model (one gradient all-reduce per
 step) for several epochs over one source: a map-style dataset with ``DistributedSampler``
 (``set_epoch`` every epoch), a map-style dataset the loader shards itself (with two
-workers), JSON lines files of uneven sizes cut to equal streams with ``.limit(n)``,
-``TokenSource`` and ``TarSource``. A first launch runs the job uninterrupted (the
+workers), JSON lines files and tar shards of uneven sizes, and ``TokenSource``. A first launch runs the job uninterrupted (the
 reference), then again with ``save_state_global`` at step ``SAVE`` and ``os._exit`` after
 step ``KILL``; a second launch restores the saved state file and trains to the end. Each
 rank logs every step's batch digest to a line-buffered file, read back here.
 
 NOTE [ Uneven files in a DDP job ]
-``JsonLinesSource`` and ``TarSource`` deal whole files to the (rank, worker) streams, so
-ranks with longer files yield more batches per epoch: a DDP job then hangs in the
-gradient all-reduce of the rank that still has data (until the process group's timeout)
-while the others have left the epoch. ``test_uneven_files_give_ranks_different_step_counts``
-shows the counts differ; the JSON lines case of the job uses ``.limit(n)``, the documented
-way to give every stream as many items (docs/stages/index.md).
+A rank that yields more batches than another hangs a DDP job in the gradient all-reduce
+that the other rank never joins. ``JsonLinesSource`` and ``TarSource`` share an epoch's
+samples out so that every rank reads as many (NOTE [ Splitting files by samples ] in
+``datasets/sample_split.py``): the files here have uneven sizes on purpose, and the job
+checks every rank took as many steps. ``test_uneven_files_give_every_rank_as_many_steps``
+checks the counts directly, and that ``split="files"`` (whole files per stream) does not
+give that guarantee.
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ KILL = 8  # os._exit right after this step: steps SAVE + 1 to KILL are trained t
 JOB_TIMEOUT = 60.0
 #: Sizes of the JSON lines files: dealt round-robin, streams get uneven line counts.
 JSONL_SIZES = (7, 3, 9, 5, 8, 4)
-JSONL_LIMIT = 7  # at most the smallest stream's lines in any epoch (3 + 4 on 3 ranks)
 TOKEN_SIZES = (40, 27)  # tokens per file: 10 + 6 windows of 4
 CASES = ["sampler", "sharded", "jsonl", "tokens", "tar"]
-TAR_SHARDS, TAR_SAMPLES = 6, 3  # shards that 2 and 3 ranks divide, as many samples each
+TAR_SIZES = (3, 1, 2, 4, 1, 2)  # samples per shard: uneven, 13 in all
 
 
 # -- the data ------------------------------------------------------------------------------
@@ -79,13 +78,15 @@ def _write_data(tmp: Path) -> None:
         np.arange(first, first + size, dtype=np.uint16).tofile(tmp / "tokens" / f"{number}.bin")
         first += size
     (tmp / "tar").mkdir()
-    for shard in range(TAR_SHARDS):
+    first = 0
+    for shard, size in enumerate(TAR_SIZES):
         with tarfile.open(tmp / "tar" / f"shard-{shard}.tar", "w") as tar:
-            for sample in range(TAR_SAMPLES):
-                data = str(shard * TAR_SAMPLES + sample).encode()
+            for sample in range(size):
+                data = str(first + sample).encode()
                 member = tarfile.TarInfo(f"{shard:02d}{sample:02d}.id")
                 member.size = len(data)
                 tar.addfile(member, io.BytesIO(data))
+        first += size
 
 
 # -- what runs in each rank ----------------------------------------------------------------
@@ -110,7 +111,7 @@ def _build(case: str, tmp: Path) -> tuple[Any, Any]:
         return loader, None
     if case == "jsonl":
         source = JsonLinesSource(str(tmp / "jsonl" / "*.jsonl.gz"), shuffle_shards=True, seed=2)
-        return SavableDataLoader(source.limit(JSONL_LIMIT), batch_size=3, num_workers=1), None
+        return SavableDataLoader(source, batch_size=5, num_workers=1), None
     if case == "tokens":
         source = TokenSource(str(tmp / "tokens" / "*.bin"), seq_len=4, shuffle=True, seed=4)
         return SavableDataLoader(source, batch_size=2), None
@@ -308,17 +309,22 @@ def test_a_ddp_job_killed_after_a_save_resumes_on_the_same_batches(
     assert not job.orphans, "workers of the killed ranks are still running"
 
 
-def test_uneven_files_give_ranks_different_step_counts(data_dir: Path) -> None:
-    """NOTE [ Uneven files in a DDP job ]: without ``.limit`` the ranks' batch counts differ."""
+def test_uneven_files_give_every_rank_as_many_steps(data_dir: Path) -> None:
+    """NOTE [ Uneven files in a DDP job ]: 36 lines in files of 3 to 9 lines."""
     from savable_loader import SavableDataLoader, WorkerConfig
     from savable_loader.datasets import JsonLinesSource
 
-    source = JsonLinesSource(str(data_dir / "jsonl" / "*.jsonl.gz"))
-    for world_size, limit, want in ((2, None, [8, 4]), (3, None, [4, 4, 5]), (3, 7, [3, 3, 3])):
+    pattern = str(data_dir / "jsonl" / "*.jsonl.gz")
+    for split, world_size, want in (
+        ("samples", 2, [6, 6]),
+        ("samples", 3, [4, 4, 4]),
+        ("files", 2, [8, 4]),
+        ("files", 3, [4, 4, 5]),
+    ):
         counts = []
         for rank in range(world_size):
-            pipeline = source if limit is None else source.limit(limit)
             config = WorkerConfig(rank=rank, world_size=world_size)
-            with SavableDataLoader(pipeline, batch_size=3, worker_config=config) as loader:
+            source = JsonLinesSource(pattern, split=split)  # type: ignore[arg-type]
+            with SavableDataLoader(source, batch_size=3, worker_config=config) as loader:
                 counts.append(sum(1 for _ in loader))
-        assert counts == want, (world_size, limit)
+        assert counts == want, (split, world_size)

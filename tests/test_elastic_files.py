@@ -1,4 +1,5 @@
-"""Elastic restores of the file sources (NOTE [ Elastic file order ] in ``_shards.py``).
+"""Elastic restores of the file sources with ``split="files"`` (NOTE [ Elastic file order ]
+in ``file_rest.py``); ``tests/test_split_samples.py`` covers ``split="samples"``.
 
 Each scenario reads a varying number of items from every stream of a saved layout
 (none, part of a file, exactly one file, the whole epoch), reshards the states onto
@@ -74,12 +75,12 @@ class Kind:
 
 def _jsonl(folder: Path, lengths: Sequence[int], shuffle: bool) -> ShardedSource[Any]:
     _write_jsonl(folder, lengths)
-    return JsonLinesSource(str(folder / "*"), shuffle_shards=shuffle, seed=3)
+    return JsonLinesSource(str(folder / "*"), shuffle_shards=shuffle, seed=3, split="files")
 
 
 def _tar(folder: Path, lengths: Sequence[int], shuffle: bool) -> ShardedSource[Any]:
     _write_tar(folder, lengths)
-    return TarSource(str(folder / "*"), shuffle_shards=shuffle, seed=3)
+    return TarSource(str(folder / "*"), shuffle_shards=shuffle, seed=3, split="files")
 
 
 JSONL = Kind(
@@ -274,7 +275,7 @@ def test_a_save_after_every_stream_finished_leaves_nothing(tmp_path: Path, kind:
 
 
 def test_a_begun_file_resumes_at_its_offset_and_line(tmp_path: Path) -> None:
-    stage = JsonLinesSource(str(_written(tmp_path)), shuffle_shards=False)
+    stage = JsonLinesSource(str(_written(tmp_path)), shuffle_shards=False, split="files")
     (context,) = _contexts((1, 0))
     cursor = stage.cursor(context)
     [next(cursor) for _ in range(5)]  # into part-00, past its blank line
@@ -323,7 +324,7 @@ def _elastic_state(stage: ShardedSource[Any]) -> dict[str, Any]:
     ],
 )
 def test_malformed_elastic_states_are_refused(tmp_path: Path, change: dict[str, Any]) -> None:
-    stage = JsonLinesSource(str(_written(tmp_path)))
+    stage = JsonLinesSource(str(_written(tmp_path)), split="files")
     state = _elastic_state(stage)
     assert state["done_below"] == 0
     assert state["started"]
@@ -337,7 +338,7 @@ def test_malformed_elastic_states_are_refused(tmp_path: Path, change: dict[str, 
 
 
 def test_a_position_before_where_the_file_resumes_is_refused(tmp_path: Path) -> None:
-    stage = JsonLinesSource(str(_written(tmp_path)))
+    stage = JsonLinesSource(str(_written(tmp_path)), split="files")
     state = _elastic_state(stage)
     _, offset, _ = state["started"][0]
     assert state["offset"] == offset > 0

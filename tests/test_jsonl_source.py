@@ -93,15 +93,19 @@ def test_composed_with_map_and_filter_resumes_exactly(folder: Path, num_workers:
 # What an epoch holds.
 
 
+@pytest.mark.parametrize("split", ["samples", "files"])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_one_epoch_of_every_worker_yields_every_line_once(tmp_path: Path, shuffle: bool) -> None:
+def test_one_epoch_of_every_worker_yields_every_line_once(
+    tmp_path: Path, shuffle: bool, split: Any
+) -> None:
     expected = _write(tmp_path)
-    source = JsonLinesSource(str(tmp_path / "*"), shuffle_shards=shuffle)
+    source = JsonLinesSource(str(tmp_path / "*"), shuffle_shards=shuffle, split=split)
+    at = {"shard": 0} if split == "files" else {"taken": 0, "file": 0, "at": 0}
     for epoch in range(2):
         seen = []
         for worker in range(3):
             cursor = source.cursor(_context(worker_id=worker, num_workers=3))
-            cursor.restore({"epoch": epoch, "shard": 0, "line": 0, "offset": 0})
+            cursor.restore({"epoch": epoch, **at, "line": 0, "offset": 0})
             seen += _ids(cursor)
         assert sorted(seen) == expected
 
@@ -116,7 +120,7 @@ def test_one_loader_epoch_over_three_workers_yields_every_line_once(tmp_path: Pa
 
 def test_ranks_cover_the_files_disjointly(tmp_path: Path) -> None:
     expected = _write(tmp_path)
-    source = JsonLinesSource(str(tmp_path / "*"), shuffle_shards=True, seed=1)
+    source = JsonLinesSource(str(tmp_path / "*"), shuffle_shards=True, seed=1, split="files")
     per_rank = [
         _ids(source.cursor(_context(rank, 2, worker, 2))) for rank in (0, 1) for worker in (0, 1)
     ]
@@ -146,7 +150,7 @@ def test_a_worker_without_a_file_yields_nothing_and_warns(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     _write(tmp_path, [3, 3])
-    source = JsonLinesSource(str(tmp_path / "*"))
+    source = JsonLinesSource(str(tmp_path / "*"), split="files")
     with caplog.at_level(logging.WARNING, logger="savable_loader"):
         cursor = source.cursor(_context(worker_id=2, num_workers=3))
     assert list(cursor) == []
@@ -163,7 +167,7 @@ def test_state_is_small_plain_and_holds_no_sample(folder: Path) -> None:
     for _ in range(20):
         item = next(cursor)
         state = cursor.state()
-        assert set(state) == {"epoch", "shard", "line", "offset"}
+        assert set(state) == {"epoch", "taken", "file", "at", "line", "offset"}
         assert all(type(value) is int for value in state.values())
         sizes.append(len(msgpack.packb(state)))
         assert item["text"].encode() not in msgpack.packb(state)
@@ -183,7 +187,7 @@ def test_end_epoch_closes_the_file_and_reads_nothing(folder: Path) -> None:
     next(cursor)
     file = cursor.file
     cursor.end_epoch()
-    assert cursor.state() == {"epoch": 1, "shard": 0, "line": 0, "offset": 0}
+    assert cursor.state() == {"epoch": 1, "taken": 0, "file": 0, "at": 0, "line": 0, "offset": 0}
     assert file is not None
     assert file.closed
     assert cursor.file is None
@@ -223,7 +227,8 @@ def test_restore_seeks_instead_of_reading_the_earlier_lines(
     if before is not None and not compressed:
         assert _rchar() - before < offset // 10  # one buffer, not the file
     length = rows.index(b"\n", offset) + 1 - offset
-    assert restored.state() == {**state, "line": 30_001, "offset": offset + length}
+    moved = {"line": 30_001, "offset": offset + length, "taken": 30_001, "at": 30_001}
+    assert restored.state() == {**state, **moved}
     with pytest.raises(ConfigError, match="line 1: not valid JSON"):
         next(source.cursor(_context()))
 
@@ -241,10 +246,11 @@ def test_restore_after_the_last_line_of_a_file_moves_on(folder: Path) -> None:
 @pytest.mark.parametrize(
     "state",
     [
-        {"epoch": 0, "shard": 0, "line": 0},
-        {"epoch": 0, "shard": -1, "line": 0, "offset": 0},
-        {"epoch": 0, "shard": 0, "line": 0, "offset": "3"},
-        {"epoch": 0, "shard": 0, "line": 0, "offset": 0, "pos": 1},
+        {"epoch": 0, "taken": 0, "file": 0, "at": 0, "line": 0},
+        {"epoch": 0, "taken": -1, "file": 0, "at": 0, "line": 0, "offset": 0},
+        {"epoch": 0, "taken": 0, "file": 0, "at": 0, "line": 0, "offset": "3"},
+        {"epoch": 0, "taken": 0, "file": 0, "at": 0, "line": 0, "offset": 0, "pos": 1},
+        {"epoch": 0, "taken": 0, "file": 0, "at": 0, "line": 0, "offset": 0, "rest": []},
         [0, 0, 0, 0],
     ],
 )
@@ -266,6 +272,7 @@ def test_config_and_description(folder: Path) -> None:
         "urls": [str(folder / "part-1.jsonl.gz"), str(folder / "part-4.jsonl")],
         "shuffle_shards": False,
         "seed": 3,
+        "split": "samples",
     }
     shuffled = JsonLinesSource(str(folder / "part-0.jsonl"), shuffle_shards=True, seed=2)
     assert str(shuffled) == "JsonLinesSource(1 file, shuffle_shards=True, seed=2)"

@@ -169,15 +169,19 @@ def test_composed_with_map_and_filter_resumes_exactly(folder: Path, num_workers:
 # What an epoch holds.
 
 
+@pytest.mark.parametrize("split", ["samples", "files"])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_every_worker_together_yields_every_sample_once(tmp_path: Path, shuffle: bool) -> None:
+def test_every_worker_together_yields_every_sample_once(
+    tmp_path: Path, shuffle: bool, split: Any
+) -> None:
     expected = _write(tmp_path)
-    source = TarSource(str(tmp_path / "*"), shuffle_shards=shuffle)
+    source = TarSource(str(tmp_path / "*"), shuffle_shards=shuffle, split=split)
+    at = {"shard": 0} if split == "files" else {"taken": 0, "file": 0, "at": 0}
     for epoch in range(2):
         seen = []
         for worker in range(3):
             cursor = source.cursor(_context(worker_id=worker, num_workers=3))
-            cursor.restore({"epoch": epoch, "shard": 0, "offset": 0})
+            cursor.restore({"epoch": epoch, **at, "offset": 0})
             seen += _keys(cursor)
         assert sorted(seen) == expected
 
@@ -191,7 +195,7 @@ def test_one_loader_epoch_over_three_workers_yields_every_sample_once(tmp_path: 
 
 def test_ranks_cover_the_shards_disjointly(tmp_path: Path) -> None:
     expected = _write(tmp_path)
-    source = TarSource(str(tmp_path / "*"), shuffle_shards=True, seed=4)
+    source = TarSource(str(tmp_path / "*"), shuffle_shards=True, seed=4, split="files")
     per_stream = [
         _keys(source.cursor(_context(rank, 2, worker, 2))) for rank in (0, 1) for worker in (0, 1)
     ]
@@ -202,7 +206,7 @@ def test_ranks_cover_the_shards_disjointly(tmp_path: Path) -> None:
 def test_a_worker_without_a_shard_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _write(tmp_path, [1])
     with caplog.at_level(logging.WARNING, logger="savable_loader"):
-        cursor = TarSource(str(tmp_path / "*")).cursor(_context(1, 2))
+        cursor = TarSource(str(tmp_path / "*"), split="files").cursor(_context(1, 2))
     assert list(cursor) == []
     assert "1 files for 2 streams (2 ranks x 1 workers): rank 1 worker 0" in caplog.text
 
@@ -215,21 +219,24 @@ def test_state_is_small_plain_and_holds_no_sample(folder: Path) -> None:
     sizes = []
     for sample in cursor:
         state = cursor.state()
-        assert set(state) == {"epoch", "shard", "offset"}
+        assert set(state) == {"epoch", "taken", "file", "at", "offset"}
         assert all(type(value) is int for value in state.values())
         sizes.append(len(msgpack.packb(state)))
         assert sample["txt"] not in msgpack.packb(state)
     assert max(sizes) < 200
 
 
-def test_a_shard_done_moves_the_state_to_the_next_one(folder: Path) -> None:
-    cursor = TarSource(str(folder / "*")).cursor(_context())
+@pytest.mark.parametrize("split", ["samples", "files"])
+def test_a_shard_done_moves_the_state_to_the_next_one(folder: Path, split: Any) -> None:
+    cursor = TarSource(str(folder / "*"), split=split).cursor(_context())
+    field = "shard" if split == "files" else "file"
     for _ in range(LENGTHS[0] - 1):
         next(cursor)
-    assert cursor.state()["shard"] == 0
+    assert cursor.state()[field] == 0
     assert cursor.state()["offset"] > 0
     next(cursor)
-    assert cursor.state() == {"epoch": 0, "shard": 1, "offset": 0}
+    moved = {"shard": 1} if split == "files" else {"taken": LENGTHS[0], "file": 1, "at": 0}
+    assert cursor.state() == {"epoch": 0, **moved, "offset": 0}
     assert cursor.file is None
 
 
@@ -263,10 +270,10 @@ def test_restore_seeks_to_the_next_sample(tmp_path: Path, compressed: bool) -> N
 @pytest.mark.parametrize(
     "state",
     [
-        {"epoch": 0, "shard": 0},
-        {"epoch": 0, "shard": 0, "offset": -512},
-        {"epoch": 0, "shard": 0, "offset": 0, "line": 0},
-        {"epoch": 0.5, "shard": 0, "offset": 0},
+        {"epoch": 0, "taken": 0, "file": 0, "at": 0},
+        {"epoch": 0, "taken": 0, "file": 0, "at": 0, "offset": -512},
+        {"epoch": 0, "taken": 0, "file": 0, "at": 0, "offset": 0, "line": 0},
+        {"epoch": 0.5, "taken": 0, "file": 0, "at": 0, "offset": 0},
         "0:0:0",
     ],
 )
@@ -286,6 +293,7 @@ def test_config_and_description(folder: Path) -> None:
         "urls": [str(folder / f"data-{shard:03d}.tar") for shard in (0, 2, 4)],
         "shuffle_shards": True,
         "seed": 9,
+        "split": "samples",
     }
 
 

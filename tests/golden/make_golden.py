@@ -16,7 +16,9 @@ itself under that name, as the test does) and the files a source reads by URL; a
 source's state also holds byte offsets into its files. So the functions below keep their
 names, and the file sources read ``memory://`` files that :func:`write_memory_files`
 generates byte for byte the same on every machine (the builders call it before building
-a pipeline; :data:`MEMORY_DIGEST` pins the bytes). Worker processes see these functions
+a pipeline; :data:`MEMORY_DIGEST` pins the bytes). The file sources pass
+``split="files"``: the goldens were saved before ``split="samples"`` became the default,
+and that is how a user continues such a state (NOTE [ Shard listing and assignment ]). Worker processes see these functions
 and files through ``fork``, the default start method on Linux up to Python 3.13.
 
 NOTE [ Derived goldens ]
@@ -306,7 +308,7 @@ def _last_partial_batch(rank: int, world_size: int) -> SavableDataLoader:
 
 
 def _jsonl_source(rank: int, world_size: int) -> SavableDataLoader:
-    source = JsonLinesSource(_jsonl_urls(), shuffle_shards=True, seed=4)
+    source = JsonLinesSource(_jsonl_urls(), shuffle_shards=True, seed=4, split="files")
     return SavableDataLoader(source, batch_size=2, num_workers=2, seed=37)
 
 
@@ -317,7 +319,9 @@ def _tokens(rank: int, world_size: int) -> SavableDataLoader:
 
 
 def _tar_shards(rank: int, world_size: int) -> SavableDataLoader:
-    source = TarSource(_urls("tar", [f"shard-{s}.tar" for s in range(len(TAR_SAMPLES))]))
+    source = TarSource(
+        _urls("tar", [f"shard-{s}.tar" for s in range(len(TAR_SAMPLES))]), split="files"
+    )
     return SavableDataLoader(source, batch_size=None, num_workers=1, seed=43)
 
 
@@ -359,7 +363,7 @@ def _repeat(rank: int, world_size: int) -> SavableDataLoader:
 
 def _composed(rank: int, world_size: int) -> SavableDataLoader:
     text = (
-        JsonLinesSource(_jsonl_urls(), shuffle_shards=True, seed=5)
+        JsonLinesSource(_jsonl_urls(), shuffle_shards=True, seed=5, split="files")
         .map(_record_to_ids)
         .filter(_odd_id)
         .map(_swap, seed=9)
@@ -407,7 +411,9 @@ def _elastic_indexed_3_workers(rank: int, world_size: int) -> SavableDataLoader:
 
 
 def _elastic_jsonl(num_workers: int, rank: int, world_size: int) -> SavableDataLoader:
-    source = JsonLinesSource(_jsonl_urls("jsonl-gz", ".gz"), shuffle_shards=True, seed=6)
+    source = JsonLinesSource(
+        _jsonl_urls("jsonl-gz", ".gz"), shuffle_shards=True, seed=6, split="files"
+    )
     return SavableDataLoader(
         source.map(_record_id),
         batch_size=2,
