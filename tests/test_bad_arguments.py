@@ -16,16 +16,104 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pipelines import Squares
+from pipelines import RandomCounter, Squares
 from s3_server import S3
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from savable_loader import (
+    ConfigError,
     SavableDataLoader,
     SavableLoaderError,
     StateFileNotFoundError,
     StorageError,
+    WorkerConfig,
     load_state,
+    save_state,
 )
+
+# -- arguments the state cannot carry --------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**100])
+def test_a_seed_outside_the_state_formats_range_is_refused(seed: int) -> None:
+    with pytest.raises(ConfigError, match=rf"seed={seed} is outside -2\*\*63\.\.2\*\*64-1"):
+        SavableDataLoader(Squares(4), seed=seed)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63)])
+def test_the_seeds_at_the_ends_of_the_range_save_and_resume(tmp_path: Path, seed: int) -> None:
+    with SavableDataLoader(Squares(6), batch_size=2, shuffle=True, seed=seed) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        save_state(loader.save_state_rank(), tmp_path / "state")
+        rest = [batch["index"].tolist() for batch in iterator]
+    with SavableDataLoader(Squares(6), batch_size=2, shuffle=True, seed=seed) as resumed:
+        resumed.restore_state_rank(load_state(tmp_path / "state"))
+        assert [batch["index"].tolist() for batch in resumed] == rest
+
+
+@pytest.mark.parametrize("seed", [True, False])
+def test_a_bool_seed_is_refused(seed: bool) -> None:
+    with pytest.raises(ConfigError, match=rf"seed must be an int, not a bool \({seed}\)"):
+        SavableDataLoader(Squares(4), seed=seed)
+
+
+@pytest.mark.parametrize("num_workers", [True, False])
+def test_a_bool_num_workers_is_refused(num_workers: bool) -> None:
+    # Torch takes True for 1 worker; the state's worker count is a strict int.
+    with pytest.raises(
+        ConfigError, match=rf"num_workers must be a non-negative int, not a bool \({num_workers}\)"
+    ):
+        SavableDataLoader(Squares(4), num_workers=num_workers)
+
+
+def test_more_workers_than_a_state_holds_are_refused() -> None:
+    with pytest.raises(ConfigError, match="num_workers=4097 is more than the 4096 workers"):
+        SavableDataLoader(Squares(4), num_workers=4097)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {},
+        {"sampler": SequentialSampler(range(4))},
+        {"batch_sampler": BatchSampler(SequentialSampler(range(4)), 2, drop_last=False)},
+    ],
+    ids=["batch_size", "with_sampler", "with_batch_sampler"],
+)
+@pytest.mark.parametrize("batch_size", [True, False])
+def test_a_bool_batch_size_is_refused_with_torchs_message(
+    arguments: dict[str, Any], batch_size: bool
+) -> None:
+    with pytest.raises(ValueError) as torchs:
+        DataLoader(Squares(4), batch_size=batch_size, sampler=arguments.get("sampler"))
+    with pytest.raises(ConfigError) as ours:
+        SavableDataLoader(Squares(4), batch_size=batch_size, **arguments)
+    assert str(ours.value) == str(torchs.value)
+    assert (
+        str(ours.value) == f"batch_size should be a positive integer value, but got {batch_size=}"
+    )
+
+
+def test_a_bool_batch_size_is_refused_for_an_iterable_dataset() -> None:
+    with pytest.raises(ConfigError, match="but got batch_size=True"):
+        SavableDataLoader(RandomCounter(4), batch_size=True)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"rank": True, "world_size": 2}, r"rank must be an int, not a bool \(True\)"),
+        ({"rank": 0, "world_size": True}, r"world_size must be an int, not a bool \(True\)"),
+        ({"rank": 0.0, "world_size": 1}, r"rank must be an int or None, got 0\.0"),
+    ],
+)
+def test_a_worker_config_the_state_cannot_carry_is_refused(
+    arguments: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        WorkerConfig(**arguments)
+
 
 # -- a missing state file ---------------------------------------------------------------
 
