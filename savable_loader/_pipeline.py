@@ -94,9 +94,16 @@ def build_pipeline(
     """Builds the loader's pipeline (NOTE [ Samplers are sources ] in ``datasets/sampled.py``).
 
     Raises:
-        ValueError: Torch refuses the combination of arguments (torch's own message).
-        ConfigError: ``dataset`` cannot be read savably.
+        ConfigError: Torch refuses the combination of arguments (torch's own message; a
+            ``ValueError`` as torch's is), ``batch_size`` is a bool (also beside a
+            ``batch_sampler``, which torch would let pass: NOTE [ Arguments the state
+            must carry ] in ``_checks.py``), or ``dataset`` cannot be read savably.
     """
+    if isinstance(batch_size, bool):
+        # Torch's own message, which it gives for a bool without a batch_sampler.
+        raise ConfigError(
+            f"batch_size should be a positive integer value, but got batch_size={batch_size}"
+        )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ConfigError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     probe = _torch_probe(

@@ -37,7 +37,8 @@ class WorkerConfig:
             checkpoints (NOTE [ Checkpoint policy ] in ``_ring.py``).
 
     Raises:
-        ConfigError: A value is out of range.
+        ConfigError: A value is out of range, or ``rank`` or ``world_size`` is not an int
+            (a bool included: the saved state records them).
     """
 
     rank: int | None = None
@@ -48,6 +49,16 @@ class WorkerConfig:
     item_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
+        # Saved in every state as strict ints (NOTE [ Arguments the state must carry ] in
+        # ``_checks.py``): refused here rather than at the first save.
+        for name in ("rank", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                raise ConfigError(
+                    f"{name} must be an int, not a bool ({value}); pass {name}={int(value)}"
+                )
+            if value is not None and not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int or None, got {value!r}")
         if self.world_size is not None and self.world_size < 1:
             raise ConfigError(f"world_size must be at least 1, got {self.world_size}")
         if self.rank is not None and self.rank < 0:

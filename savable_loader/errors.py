@@ -4,10 +4,15 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
 training script can catch the library's failures apart from its own. Errors about bad
 arguments also derive from :class:`ValueError` (as torch's ``DataLoader`` raises for
 them), and errors about worker processes from :class:`RuntimeError` (as torch raises for
-a dead worker), so existing ``except`` clauses keep working.
+a dead worker), so existing ``except`` clauses keep working. For the same reason a
+missing state file raises :class:`StateFileNotFoundError`, which is also a
+:class:`FileNotFoundError`.
 """
 
 from __future__ import annotations
+
+import errno
+import os
 
 __all__ = [
     "ApproximateResumeWarning",
@@ -15,6 +20,7 @@ __all__ = [
     "DatasetError",
     "SavableLoaderError",
     "StateError",
+    "StateFileNotFoundError",
     "StateFormatError",
     "StateMismatchError",
     "StorageError",
@@ -54,7 +60,39 @@ class StateMismatchError(StateError):
 
 
 class StorageError(SavableLoaderError):
-    """Reading or writing a state at a URL failed (missing file, permissions, network)."""
+    """Reading or writing a state at a URL failed (missing file, permissions, network).
+
+    A missing file is the subclass :class:`StateFileNotFoundError`; every other failure
+    is a plain ``StorageError``. The message names the URL; the cause is chained.
+    """
+
+
+class StateFileNotFoundError(StorageError, FileNotFoundError):
+    """No state file exists at the URL :func:`~savable_loader.load_state` was given.
+
+    Also a :class:`FileNotFoundError`, so the usual "no checkpoint yet, start fresh"
+    idiom works for local paths and fsspec URLs (``memory://``, ``s3://``...) alike::
+
+        try:
+            loader.restore_state_global(load_state(url))
+        except FileNotFoundError:
+            pass  # first run: start from the beginning
+
+    ``str(error)`` is the library's message (``Cannot read <url>: not found.``); as on
+    any ``FileNotFoundError``, ``errno`` is ``ENOENT`` and ``filename`` the URL.
+    """
+
+    def __init__(self, message: str, url: str = "") -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT
+        self.strerror = os.strerror(errno.ENOENT)
+        self.filename = url
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[type[StateFileNotFoundError], tuple[str, str]]:
+        return type(self), (str(self), self.filename)
 
 
 class WorkerError(SavableLoaderError, RuntimeError):

@@ -15,6 +15,14 @@ NOTE [ Atomic local writes ]
     ``pipe_file`` or ``cat_file`` call; object stores make a single put atomic by
     themselves. Every failure becomes a :class:`~savable_loader.errors.StorageError` that
     names the URL and chains the cause.
+
+NOTE [ A missing state file ]
+    A read of a URL where nothing exists (a local ``FileNotFoundError``, or fsspec's for
+    ``memory://``, ``s3://``: a missing key or bucket) raises
+    :class:`~savable_loader.errors.StateFileNotFoundError`, a ``StorageError`` that is
+    also a ``FileNotFoundError``, so ``except FileNotFoundError:`` starts a first run
+    afresh whatever the URL. Every other failure stays a plain ``StorageError``; so does a
+    failed write (missing local folders are created).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Any
 
 import fsspec
 
-from savable_loader.errors import ConfigError, StorageError
+from savable_loader.errors import ConfigError, StateFileNotFoundError, StorageError
 
 __all__ = ["describe_error", "read_bytes", "write_bytes"]
 
@@ -90,8 +98,9 @@ def read_bytes(url: str | os.PathLike[str], **storage_options: Any) -> bytes:
         The file's content.
 
     Raises:
-        StorageError: Nothing exists at ``url`` (the message says it was not found), or
-            reading failed.
+        StateFileNotFoundError: Nothing exists at ``url``; also a ``FileNotFoundError``
+            (NOTE [ A missing state file ]).
+        StorageError: Reading failed otherwise.
         ConfigError: ``storage_options`` were given for a local path.
     """
     url, local = _resolve(url, storage_options)
@@ -103,8 +112,15 @@ def read_bytes(url: str | os.PathLike[str], **storage_options: Any) -> bytes:
     try:
         with open(local, "rb") as file:
             return file.read()
+    except FileNotFoundError as exc:
+        raise _not_found(url) from exc
     except OSError as exc:
         raise StorageError(f"Cannot read {url}: {describe_error(exc)}.") from exc
+
+
+def _not_found(url: str) -> StateFileNotFoundError:
+    """NOTE [ A missing state file ]."""
+    return StateFileNotFoundError(f"Cannot read {url}: not found.", url)
 
 
 def _resolve(
@@ -151,6 +167,10 @@ def _remote_errors(url: str, action: str) -> Iterator[None]:
     """Turns whatever fsspec or its backend raises into a StorageError naming the URL."""
     try:
         yield
+    except FileNotFoundError as exc:
+        if action == "read":
+            raise _not_found(url) from exc
+        raise StorageError(f"Cannot {action} {url}: {describe_error(exc)}.") from exc
     except Exception as exc:
         # "simplecache::s3://bucket/key" chains protocols; the last one holds the data.
         protocols = [part.partition("://")[0] for part in url.split("::")]

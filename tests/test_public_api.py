@@ -16,6 +16,7 @@ def test_all_is_sorted_and_pinned():
         "SavableDataset",
         "SavableLoaderError",
         "StateError",
+        "StateFileNotFoundError",
         "StateFormatError",
         "StateMismatchError",
         "StorageError",
@@ -45,6 +46,8 @@ def test_error_hierarchy():
     assert issubclass(errors.WorkerError, RuntimeError)
     assert issubclass(errors.StateMismatchError, errors.StateError)
     assert issubclass(errors.UnsavableDatasetError, errors.ConfigError)
+    assert issubclass(errors.StateFileNotFoundError, errors.StorageError)
+    assert issubclass(errors.StateFileNotFoundError, FileNotFoundError)
 
 
 def test_datasets_all_is_sorted_and_pinned():

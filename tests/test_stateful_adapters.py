@@ -10,7 +10,7 @@ import pytest
 import torch
 from pipelines import StatefulCounter
 from torch.utils.data import default_collate, get_worker_info
-from torchdata.nodes import IterableWrapper, Mapper
+from torchdata.nodes import IterableWrapper, Loader, Mapper
 
 from savable_loader import SavableDataLoader, WorkerConfig, WorkerContext
 from savable_loader.datasets import from_stateful
@@ -203,6 +203,28 @@ def test_config_errors():
         from_stateful(_hf(), resume="fast")
     with pytest.raises(ConfigError, match="state_dict"):
         from_stateful([1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda loader: loader,
+        from_stateful,
+        lambda loader: from_stateful(loader, resume="replay"),
+    ],
+    ids=["given_as_is", "from_stateful", "replay"],
+)
+def test_a_torchdata_loader_is_refused_naming_its_root(wrap):
+    """A torchdata ``Loader`` ignores a ``load_state_dict`` that follows a ``state_dict``
+    taken before its first ``iter()``: it restarted from item 0 and, with workers, read
+    its whole source in every worker. Its root node is what to pass, and resumes exactly
+    (``node`` in ``BUILDS``)."""
+    torchdata_loader = Loader(_node())
+    with pytest.raises(
+        ConfigError, match=r"torchdata\.nodes\.Loader, .*pass its root node"
+    ) as info:
+        SavableDataLoader(wrap(torchdata_loader), batch_size=2)
+    assert "Loader(root).root" in str(info.value)
 
 
 @pytest.mark.parametrize(

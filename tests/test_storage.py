@@ -17,7 +17,7 @@ import fsspec
 import pytest
 
 import savable_loader.storage
-from savable_loader.errors import ConfigError, StorageError
+from savable_loader.errors import ConfigError, StateFileNotFoundError, StorageError
 from savable_loader.storage import read_bytes, write_bytes
 
 
@@ -229,12 +229,16 @@ def test_missing_local_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope" / "state.bin"
     with pytest.raises(StorageError, match=r"Cannot read .*nope/state\.bin: not found\.") as info:
         read_bytes(missing)
+    assert isinstance(info.value, StateFileNotFoundError)
+    assert isinstance(info.value, FileNotFoundError)
+    assert info.value.filename == str(missing)
     assert isinstance(info.value.__cause__, FileNotFoundError)
 
 
 def test_reading_a_folder(tmp_path: Path) -> None:
-    with pytest.raises(StorageError, match="it is a folder"):
+    with pytest.raises(StorageError, match="it is a folder") as info:
         read_bytes(tmp_path)
+    assert not isinstance(info.value, FileNotFoundError)
 
 
 def test_writing_onto_a_folder(tmp_path: Path) -> None:
@@ -270,7 +274,7 @@ def test_memory_round_trip(memory_url: str) -> None:
 
 
 def test_missing_memory_file(memory_url: str) -> None:
-    with pytest.raises(StorageError, match=r"Cannot read memory://.*: not found\."):
+    with pytest.raises(StateFileNotFoundError, match=r"Cannot read memory://.*: not found\."):
         read_bytes(memory_url)
 
 

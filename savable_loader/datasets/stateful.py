@@ -27,6 +27,18 @@ after a full iteration. Hugging Face keeps its epoch in a shared-memory tensor t
 ``set_epoch`` reads then adds to, which forked workers would race on, so each worker
 uses its own deep copy (``datasets`` shares the immutable Arrow tables between copies).
 
+NOTE [ A torchdata Loader is refused ]
+``torchdata.nodes.Loader`` wraps a root node for a training loop; it has ``state_dict()``
+and ``load_state_dict()`` but is not a position this adapter can restore. Reading its
+``state_dict()`` before its first ``iter()`` creates its iterator and marks it as made for
+that read, and the next ``iter()`` then returns it as it is, ignoring a
+``load_state_dict()`` in between: a restore restarted from item 0. That iterator, made in
+the main process where no worker information exists, was also copied into every worker,
+so with workers each one read the whole source (every item once per worker). The adapter
+therefore refuses a ``Loader`` and names what to pass instead: its root node
+(``loader.root``), a ``BaseNode`` it restores exactly with ``reset(state)``; the
+``SavableDataLoader`` plays the ``Loader``'s part.
+
 NOTE [ Finding a Hugging Face shuffle buffer ]
 ``datasets`` cannot say whether a dataset shuffles through a buffer, so the adapter walks
 the private ``_ex_iterable`` chain for a ``BufferShuffledExamplesIterable``; without that
@@ -68,14 +80,16 @@ class StatefulDataset(Stage[T]):
 
     Args:
         obj: A Hugging Face ``datasets.IterableDataset``, a torchdata node
-            (``torchdata.nodes.BaseNode``: ``state_dict()`` and ``reset(state)``) or any
+            (``torchdata.nodes.BaseNode``: ``state_dict()`` and ``reset(state)``; not a
+            ``torchdata.nodes.Loader``, whose root node is what to pass) or any
             iterable with ``state_dict()`` and ``load_state_dict()``. It shards itself
             over workers, as with torch's ``DataLoader``; its cursor reads this object
             itself (NOTE [ A dataset is its own position ] in ``adapt.py``).
         resume: "state", "replay" or "auto" (NOTE [ Two resume modes ]).
 
     Raises:
-        ConfigError: ``obj`` cannot save and load its position, or ``resume`` is unknown.
+        ConfigError: ``obj`` cannot save and load its position, is a torchdata ``Loader``
+            (NOTE [ A torchdata Loader is refused ]), or ``resume`` is unknown.
 
     State:
         ``{"resume", "epoch", "obj", "consumed"}``. In "state" mode ``obj`` is
@@ -85,6 +99,15 @@ class StatefulDataset(Stage[T]):
     """
 
     def __init__(self, obj: Any, *, resume: Resume = "auto") -> None:
+        if _has_base(obj, "torchdata.nodes", "Loader"):
+            raise ConfigError(
+                f"{type(obj).__name__} is a torchdata.nodes.Loader, which cannot be resumed "
+                "exactly: it ignores a load_state_dict() once its state_dict() was read "
+                "before its first iter() (a restore would restart from item 0), and with "
+                "workers every worker would read its whole source; pass its root node "
+                "instead (Loader(root).root, a torchdata BaseNode), which resumes exactly: "
+                "SavableDataLoader(loader.root, ...) (NOTE [ A torchdata Loader is refused ])"
+            )
         self.obj: Any = obj
         self.node = _has_base(obj, "torchdata.nodes", "BaseNode")
         self.hf = _has_base(obj, "datasets.iterable_dataset", "IterableDataset")
@@ -255,6 +278,7 @@ def from_stateful(obj: Any, *, resume: Resume = "auto") -> StatefulDataset[Any]:
         The adapter, a :class:`StatefulDataset` stage.
 
     Raises:
-        ConfigError: ``obj`` cannot save and load its position, or ``resume`` is unknown.
+        ConfigError: ``obj`` cannot save and load its position, is a torchdata ``Loader``
+            (pass its root node, ``loader.root``), or ``resume`` is unknown.
     """
     return StatefulDataset(obj, resume=resume)
