@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from . import _torch_compat
 from ._commands import CommandChannel, NoAnswerError
-from ._events import PRODUCING, STARTING, Event
+from ._events import CHECKPOINTING, PRODUCING, STARTING, Event
 from ._worker import WorkerWrapper
 from .config import WorkerConfig
 from .errors import WorkerError
@@ -185,6 +185,14 @@ class Stream:
                     f"worker {worker_id} has been starting (restoring its checkpoint and "
                     f"replaying) for {seconds:.1f} s, beyond WorkerConfig(command_timeout="
                     f"{config.command_timeout:g})"
+                )
+            elif phase == CHECKPOINTING and seconds > config.command_timeout:
+                # NOTE [ Checkpoint faults ] in _events.py; the ring still answers saves.
+                after = f"event {seq}, the end of its epoch" if progress["end"] else f"item {seq}"
+                reasons.append(
+                    f"worker {worker_id} has been taking a checkpoint (the pipeline's "
+                    f"save_state()) after {after}, for {seconds:.1f} s, beyond "
+                    f"WorkerConfig(command_timeout={config.command_timeout:g})"
                 )
             elif (
                 phase == PRODUCING
