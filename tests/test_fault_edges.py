@@ -21,6 +21,7 @@ asserts none of the last three (``pytest -s -o log_cli=true`` logs the counts).
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from typing import Any
 
 import pytest
 from pipelines import RandomCounter
+from processes import freeze, thaw
 from torch.utils.data import get_worker_info
 
 from savable_loader import DatasetError, SavableDataLoader, WorkerConfig, WorkerError
@@ -50,6 +52,7 @@ MARGIN = 4.0
 #: How long a blocking save_state() blocks: longer than any bound plus margin, so the
 #: loader must report it; short enough that a loader that does not ends the test anyway.
 BLOCK_SECONDS = 15.0
+REPO = Path(__file__).resolve().parents[1]
 
 TALLY: collections.Counter[str] = collections.Counter()
 
@@ -210,6 +213,39 @@ def test_a_raising_save_state_is_a_dataset_error(at: str) -> None:
         kept = loader.save_state_rank()
     # Nothing handed on is lost: the item whose checkpoint failed comes next.
     assert got + _resume(kept) == reference
+
+
+# -- a frozen worker during a save -----------------------------------------------------------
+
+
+def test_a_worker_frozen_during_a_save_is_killed_and_close_is_prompt() -> None:
+    reference = _reference()
+    loader = _loader()
+    stream = _stream(loader, EPOCHS)
+    head = [next(stream) for _ in range(4)]
+    state = loader.save_state_rank()
+    pid = loader.worker_stats()[0]["pid"]
+    freeze(pid)
+    try:
+        error, _ = _raises_within(
+            loader.save_state_rank,
+            WorkerError,
+            COMMAND_TIMEOUT,
+            match=r"^worker 0 did not answer 'checkpoint' within 2 s",
+        )
+        assert "The loader stopped its workers" in str(error)
+        assert not _running(pid), "the worker the loader gave up on still runs"
+        began = time.monotonic()
+        loader.close()
+        assert time.monotonic() - began < 1.0
+        del loader, stream
+        gc.collect()
+        if _running(pid):
+            TALLY["leaked_processes"] += 1
+        assert not _running(pid)
+    finally:
+        thaw(pid)
+    assert head + _resume(state) == reference
 
 
 # -- the tally -------------------------------------------------------------------------------
