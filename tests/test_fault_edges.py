@@ -23,6 +23,11 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -246,6 +251,79 @@ def test_a_worker_frozen_during_a_save_is_killed_and_close_is_prompt() -> None:
     finally:
         thaw(pid)
     assert head + _resume(state) == reference
+
+
+# -- torch's file_system sharing strategy ----------------------------------------------------
+
+_SHARING_SCRIPT = """
+import gc, glob, os, sys
+import torch.multiprocessing
+strategy = sys.argv[1]
+previous = torch.multiprocessing.get_sharing_strategy()
+torch.multiprocessing.set_sharing_strategy(strategy)
+try:
+    from pipelines import RandomCounter
+    from savable_loader import SavableDataLoader
+
+    def loader():
+        return SavableDataLoader(RandomCounter(40), batch_size=2, num_workers=2)
+
+    pids = set()
+    # close() mid-epoch, a batch of the workers' tensors still in hand.
+    first = loader()
+    held = [next(iter(first)), next(iter(first))]
+    pids.update(s["pid"] for s in first.worker_stats())
+    first.close()
+    # A restore into a running loader, a batch still in hand.
+    second = loader()
+    iterator = iter(second)
+    held += [next(iterator), next(iterator)]
+    pids.update(s["pid"] for s in second.worker_stats())
+    second.restore_state_rank(second.save_state_rank())
+    held.append(next(iter(second)))
+    pids.update(s["pid"] for s in second.worker_stats())
+    total = sum(float(batch["torch"].sum()) for batch in held)
+    second.close()
+    del held, iterator
+    gc.collect()
+    left = [p for pid in pids for p in glob.glob(f"/dev/shm/torch_{pid}_*")]
+    print("ok", total > 0, left)
+finally:
+    torch.multiprocessing.set_sharing_strategy(previous)
+"""
+
+
+def test_only_shared_memory_files_no_process_uses_are_removed(tmp_path: Path) -> None:
+    """A file this process maps (a live tensor's, under ``file_system``) stays."""
+    from savable_loader import _torch_compat
+
+    for name in ("torch_111_1_0", "torch_111_2_0", "torch_222_1_0"):
+        (tmp_path / name).write_bytes(b"x" * 4096)
+    with open(tmp_path / "torch_111_1_0", "r+b") as file, mmap.mmap(file.fileno(), 0):
+        removed = _torch_compat.remove_leaked_shared_memory([111], folder=str(tmp_path))
+        assert [Path(p).name for p in removed] == ["torch_111_2_0"]
+    removed = _torch_compat.remove_leaked_shared_memory([111], folder=str(tmp_path))
+    assert [Path(p).name for p in removed] == ["torch_111_1_0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["torch_222_1_0"]
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_stopping_workers_leaves_live_tensors_their_shared_memory(strategy: str) -> None:
+    """Runs in a subprocess: an unlinked file a live tensor owns aborts the process."""
+    TALLY["faults"] += 1
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SHARING_SCRIPT), strategy],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    if result.returncode != 0:
+        TALLY["crashes"] += 1
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-3000:]}"
+    assert result.stdout.split("\n")[-2] == "ok True []", result.stdout
 
 
 # -- the tally -------------------------------------------------------------------------------
