@@ -22,6 +22,17 @@ from an end of epoch. The exception object itself never crosses processes (a use
 exception type need not pickle); only its type's name and plain arguments do, and the
 runtime is marked failed so that no checkpoint is ever taken of the broken state.
 
+NOTE [ Checkpoint faults ]
+A checkpoint runs the pipeline's ``save_state()`` (every stage's ``state()``) in the
+worker's main thread, after an item or after the end of an epoch, before that event is
+sent. When it raises, the worker sends an ERROR event in the event's place (NOTE
+[ Pipeline errors ]) whose :class:`Failure` names the item (or the end) the checkpoint
+followed: the loader stands just before that event, and a retry recomputes it from an
+earlier checkpoint. While it runs, the worker reports the CHECKPOINTING phase, which the
+watchdog bounds by ``command_timeout`` (NOTE [ Watchdog ] in ``_stream.py``): a
+checkpoint is the library's work, not an item's, so ``item_timeout=None`` does not lift
+the bound. Checkpoints taken at start-up are part of the STARTING phase, bounded alike.
+
 NOTE [ worker_init_fn errors ]
 Torch calls ``worker_init_fn`` before it first iterates the wrapper, and when it raises,
 torch starts no iteration in that worker: no command thread, so the loader's watchdog
@@ -44,11 +55,12 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .errors import DatasetError, SavableLoaderError
 
 __all__ = [
+    "CHECKPOINTING",
     "END",
     "ERROR",
     "IDLE",
@@ -64,7 +76,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ITEM, END, PLACEHOLDER, ERROR = 0, 1, 2, 3
-STARTING, PRODUCING, IDLE = "starting", "producing", "idle"
+STARTING, PRODUCING, CHECKPOINTING, IDLE = "starting", "producing", "checkpointing", "idle"
 _PLAIN_ARGS = (str, int, float, bool, bytes, type(None))
 
 Event = tuple[int, int, int, Any]
@@ -87,6 +99,9 @@ class Failure:
         text: The formatted traceback, causes included.
         error: The exception itself when it was raised in this process; None in a worker.
         in_init: Raised by the user's ``worker_init_fn`` (NOTE [ worker_init_fn errors ]).
+        checkpoint: Raised while the worker took the checkpoint that follows event ``seq``
+            (the pipeline's ``save_state()``): "item" after an item, "end" after the end
+            of its epoch; None otherwise.
     """
 
     worker_id: int
@@ -99,6 +114,7 @@ class Failure:
     text: str
     error: BaseException | None = None
     in_init: bool = False
+    checkpoint: Literal["item", "end"] | None = None
 
     @classmethod
     def of(
@@ -110,6 +126,7 @@ class Failure:
         starting: bool,
         in_main: bool,
         in_init: bool = False,
+        checkpoint: Literal["item", "end"] | None = None,
     ) -> Failure:
         kind = type(error)
         args = error.args if all(isinstance(a, _PLAIN_ARGS) for a in error.args) else (str(error),)
@@ -124,6 +141,7 @@ class Failure:
             text="".join(traceback.format_exception(error)),
             error=error if in_main else None,
             in_init=in_init,
+            checkpoint=checkpoint,
         )
 
     def event(self) -> Event:
@@ -144,11 +162,14 @@ class Failure:
             return self._as_torch_raises(lost)
         original = self.exception()
         where = f"worker {self.worker_id}" if in_worker else "the main process"
-        doing = (
-            f"starting (restoring its checkpoint and replaying up to item {self.seq})"
-            if self.starting
-            else f"producing item {self.seq}"
-        )
+        doing = f"producing item {self.seq}"
+        if self.starting:
+            doing = f"starting (restoring its checkpoint and replaying up to item {self.seq})"
+        elif self.checkpoint is not None:
+            after = f"item {self.seq}"
+            if self.checkpoint == "end":
+                after = f"event {self.seq}, the end of its epoch"
+            doing = f"taking a checkpoint (the pipeline's save_state()) after {after}"
         then = (
             f"The loader cannot continue: {lost}."
             if lost is not None
@@ -226,19 +247,23 @@ class Progress:
     ``_stream.py``).
 
     The phase is STARTING (restoring a checkpoint and replaying, up to the first event),
-    PRODUCING (item ``seq``) or IDLE (waiting for torch to ask for the next event). One
+    PRODUCING (item ``seq``), CHECKPOINTING (taking the checkpoint that follows event
+    ``seq``: NOTE [ Checkpoint faults ]) or IDLE (waiting for torch to ask for the next
+    event). One
     tuple is swapped in as a whole, so the command thread never reads a torn value.
     """
 
     __slots__ = ("_now",)
 
     def __init__(self) -> None:
-        self._now: tuple[str, int, float] = (IDLE, 0, time.monotonic())
+        self._now: tuple[str, int, float, bool] = (IDLE, 0, time.monotonic(), False)
 
-    def enter(self, phase: str, seq: int) -> None:
-        self._now = (phase, seq, time.monotonic())
+    def enter(self, phase: str, seq: int, *, end: bool = False) -> None:
+        """Enters ``phase`` at event ``seq``; ``end``: that event ends the epoch."""
+        self._now = (phase, seq, time.monotonic(), end)
 
     def report(self) -> dict[str, Any]:
-        """Returns the phase, the sequence number and the seconds spent in the phase."""
-        phase, seq, since = self._now
-        return {"phase": phase, "seq": seq, "for": time.monotonic() - since}
+        """Returns the phase, the sequence number, the seconds spent in the phase and
+        whether the event ends the epoch."""
+        phase, seq, since, end = self._now
+        return {"phase": phase, "seq": seq, "for": time.monotonic() - since, "end": end}

@@ -57,7 +57,17 @@ import msgpack
 
 from . import rng
 from ._commands import CommandChannel
-from ._events import END, IDLE, ITEM, PLACEHOLDER, PRODUCING, Event, Failure, Progress
+from ._events import (
+    CHECKPOINTING,
+    END,
+    IDLE,
+    ITEM,
+    PLACEHOLDER,
+    PRODUCING,
+    Event,
+    Failure,
+    Progress,
+)
 from ._ring import CheckpointRing, Entry
 from .config import WorkerContext
 from .datasets.stage import Stage
@@ -303,20 +313,36 @@ class PipelineRuntime:
                 progress.enter(IDLE, self.seq)
                 yield self.failure(error, starting=False)
                 return
-            progress.enter(IDLE, self.seq + 1)
             now = time.perf_counter()
             # Worker time since the previous event: producing this one, plus torch
             # sending the previous one and waiting for this task.
             elapsed, mark = now - mark, now
             seq = self.seq
             self.seq += 1
+            # NOTE [ Checkpoint faults ] in _events.py: the checkpoint after an event.
+            progress.enter(CHECKPOINTING, seq, end=item is _END)
+            try:
+                if item is _END:
+                    self._seed_epoch(self._epoch + 1)
+                    self.ring.take(self._capture)
+                elif not self.in_main:
+                    self.ring.maybe_take(elapsed, self._capture)
+            except Exception as error:
+                self.failed = True
+                progress.enter(IDLE, seq)
+                yield Failure.of(
+                    error,
+                    self.worker_id,
+                    seq,
+                    starting=False,
+                    in_main=self.in_main,
+                    checkpoint="end" if item is _END else "item",
+                ).event()
+                return
+            progress.enter(IDLE, self.seq)
             if item is _END:
-                self._seed_epoch(self._epoch + 1)
-                self.ring.take(self._capture)
                 yield (self.worker_id, seq, END, None)
                 return
-            if not self.in_main:
-                self.ring.maybe_take(elapsed, self._capture)
             yield (self.worker_id, seq, ITEM, item)
 
     def _seed_epoch(self, epoch: int, *, starting: bool = False) -> None:

@@ -22,6 +22,16 @@ shutdown request), stops the stream and raises :class:`~savable_loader.WorkerErr
 user's own ``timeout`` keeps torch's meaning: no item within that many seconds raises (a
 WorkerError, which is a RuntimeError). Items that arrive cost nothing more: the progress
 check runs only after a wait of one poll interval.
+
+NOTE [ Workers given up on ]
+A worker that does not answer a command within ``command_timeout`` (a save, the
+watchdog's progress check, ``worker_stats()``) is frozen or stuck with the GIL held: its
+process may never run torch's request to stop, and a stopped process ignores the
+SIGTERM torch sends after its join timeout. So the stream notes every worker it gave up
+on, and :meth:`Stream.stop` kills those (SIGKILL ends even a stopped process) before it
+stops the rest: ``close()``, a restore and an error stop the stream promptly and leave no
+process behind. A save that a worker did not answer stops the stream at once, as a hang
+found by the watchdog does (NOTE [ Errors stop the stream ] in ``_iterator.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from torch.utils.data import DataLoader
 
 from . import _torch_compat
 from ._commands import CommandChannel, NoAnswerError
-from ._events import PRODUCING, STARTING, Event
+from ._events import CHECKPOINTING, PRODUCING, STARTING, Event
 from ._worker import WorkerWrapper
 from .config import WorkerConfig
 from .errors import WorkerError
@@ -99,6 +109,8 @@ class Stream:
             self.channel = CommandChannel(context, self.num_workers)
         wrapper.spec.channel = self.channel
         self.iterator: Any = None
+        #: Workers that did not answer a command in time (NOTE [ Workers given up on ]).
+        self.given_up: set[int] = set()
         self.iterator = self._torch_iterator(first=True)
 
     def next_epoch(self) -> None:
@@ -170,10 +182,7 @@ class Stream:
     def _watch(self) -> None:
         """Raises :class:`Hang` naming the workers stuck beyond their bounds."""
         config = self.config
-        try:
-            answers = self._request("progress", [{} for _ in range(self.num_workers)])
-        except NoAnswerError as error:
-            raise Hang(str(error), workers=[error.worker_id], answering=False) from None
+        answers = self._request("progress", [{} for _ in range(self.num_workers)])
         hung: list[int] = []
         reasons: list[str] = []
         answering = True
@@ -185,6 +194,14 @@ class Stream:
                     f"worker {worker_id} has been starting (restoring its checkpoint and "
                     f"replaying) for {seconds:.1f} s, beyond WorkerConfig(command_timeout="
                     f"{config.command_timeout:g})"
+                )
+            elif phase == CHECKPOINTING and seconds > config.command_timeout:
+                # NOTE [ Checkpoint faults ] in _events.py; the ring still answers saves.
+                after = f"event {seq}, the end of its epoch" if progress["end"] else f"item {seq}"
+                reasons.append(
+                    f"worker {worker_id} has been taking a checkpoint (the pipeline's "
+                    f"save_state()) after {after}, for {seconds:.1f} s, beyond "
+                    f"WorkerConfig(command_timeout={config.command_timeout:g})"
                 )
             elif (
                 phase == PRODUCING
@@ -209,15 +226,25 @@ class Stream:
     # -- commands ---------------------------------------------------------------------
 
     def _request(self, name: str, arguments: Sequence[dict[str, Any]]) -> list[Any]:
+        """Sends a command to every worker (NOTE [ Command channel ] in ``_commands.py``).
+
+        Raises:
+            Hang: A worker did not answer in time (NOTE [ Workers given up on ]).
+            WorkerError: A worker died or failed the command.
+        """
         if self.channel is None:
             raise WorkerError(f"cannot send {name!r}: the stream has no command channel")
         iterator = self.iterator
-        return self.channel.request(
-            name,
-            arguments,
-            timeout=self.config.command_timeout,
-            is_alive=lambda w: _torch_compat.worker_alive(iterator, w),
-        )
+        try:
+            return self.channel.request(
+                name,
+                arguments,
+                timeout=self.config.command_timeout,
+                is_alive=lambda w: _torch_compat.worker_alive(iterator, w),
+            )
+        except NoAnswerError as error:
+            self.given_up.add(error.worker_id)
+            raise Hang(str(error), workers=[error.worker_id], answering=False) from None
 
     def checkpoints(self, delivered: Sequence[int]) -> list[Checkpoint | None]:
         """Every worker's newest checkpoint at or before its ``delivered`` position (None:
@@ -283,6 +310,8 @@ class Stream:
 
     def stop(self) -> None:
         """Stops the workers, closes the command channel and the pipeline. Idempotent."""
+        self.kill(sorted(self.given_up))  # NOTE [ Workers given up on ]
+        self.given_up.clear()
         iterator, self.iterator = self.iterator, None
         if iterator is not None and self.num_workers > 0:
             pids = _torch_compat.worker_pids(iterator)

@@ -21,11 +21,19 @@ supports.
 
 NOTE [ Shared memory of a killed worker ]
 A worker sends a tensor through a shared memory file that torch creates under
-``/dev/shm`` as ``torch_<pid>_...`` and unlinks as soon as it is opened. A worker killed
-between the two leaves the file behind for good. Once the workers of a stream are
-stopped, :func:`remove_leaked_shared_memory` removes what is left under their pids:
-nothing, for workers that exited normally. Removing a name never frees memory another
-process still maps.
+``/dev/shm`` as ``torch_<pid>_...``. With torch's default sharing strategy
+(``file_descriptor``) the worker unlinks it as soon as it is opened, so a worker killed
+between the two leaves the file behind for good. With the ``file_system`` strategy the
+file keeps its name while any tensor uses it: the last process to drop such a tensor
+unlinks it, and aborts (SIGABRT, "could not unlink the shared memory file") when the
+name is already gone; torch's ``torch_shm_manager`` removes the rest once every process
+using it has exited. Once the workers of a stream are stopped,
+:func:`remove_leaked_shared_memory` removes the files left under their pids that no
+process maps or holds open, under either strategy: the files of a killed worker, and
+those of tensors still in flight when the workers stopped, but never the file of a
+tensor the main process (or any other process of this user) still holds: a batch in the
+user's hand, or one torch's iterator buffered. This process is looked at first; the
+others only when a file is still unclaimed. Without ``/proc`` nothing is removed.
 
 NOTE [ The workers-done event ]
 Torch's iterator shares a ``multiprocessing.Event`` with its workers; they poll
@@ -81,6 +89,7 @@ _TIMEOUT_MESSAGE = "DataLoader timed out after "
 #: How long the main process waits for the workers-done event's lock before it takes the
 #: lock as left held by a dead worker (a live worker holds it for microseconds).
 _LOCK_WAIT = 0.5
+_PROC = "/proc"
 _TAKES_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
 
 
@@ -257,12 +266,48 @@ def worker_pids(iterator: Any) -> list[int]:
 
 
 def remove_leaked_shared_memory(pids: list[int], folder: str = "/dev/shm") -> list[str]:
-    """Removes torch's shared memory files left by the stopped processes ``pids``
-    (NOTE [ Shared memory of a killed worker ]); returns the paths removed."""
+    """Removes torch's shared memory files left by the stopped processes ``pids`` that no
+    process uses (NOTE [ Shared memory of a killed worker ]); returns the paths removed."""
+    left = {p for pid in pids for p in glob.glob(os.path.join(folder, f"torch_{pid}_*"))}
+    if not left or not os.path.isdir(_PROC):
+        return []
+    left -= _in_use(left, [os.getpid()])
+    if left:
+        left -= _in_use(left, _own_processes())
     removed = []
-    for pid in pids:
-        for path in glob.glob(os.path.join(folder, f"torch_{pid}_*")):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed.append(path)
+    for path in sorted(left):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed.append(path)
     return removed
+
+
+def _own_processes() -> list[int]:
+    """The processes of this user other than this one."""
+    me, uid = os.getpid(), os.getuid()
+    pids = []
+    for entry in os.scandir(_PROC):
+        with contextlib.suppress(OSError, ValueError):
+            if entry.name.isdigit() and int(entry.name) != me and entry.stat().st_uid == uid:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _in_use(paths: set[str], pids: list[int]) -> set[str]:
+    """Which of ``paths`` one of the processes ``pids`` maps or holds open (processes
+    that are gone or cannot be read are skipped)."""
+    used: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(_PROC, str(pid), "maps")) as maps:
+                for line in maps:
+                    fields = line.rstrip("\n").split(maxsplit=5)
+                    if len(fields) == 6 and fields[5] in paths:
+                        used.add(fields[5])
+            fds = os.path.join(_PROC, str(pid), "fd")
+            for fd in os.listdir(fds):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(os.path.join(fds, fd))
+                    if target in paths:
+                        used.add(target)
+    return used

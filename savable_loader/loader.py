@@ -234,8 +234,7 @@ class SavableDataLoader(DataLoader[Any]):
                     self._stop_stream()
                 raise
             except Hang as hang:
-                lost = self._halt(hung=hang.workers, ask=hang.answering)
-                raise hang.stopped(lost) from None
+                raise hang.stopped(self._halt(hung=hang.workers, ask=hang.answering)) from None
             except Exception as error:
                 # Whatever surfaces when a worker dies (torch's RuntimeError, a reset
                 # connection while fetching a tensor it shared) becomes a WorkerError.
@@ -339,9 +338,9 @@ class SavableDataLoader(DataLoader[Any]):
             return list(self._book.resume)
         try:
             return list(stream.checkpoints(self._book.delivered))
+        except Hang as hang:  # NOTE [ Workers given up on ] in _stream.py
+            raise hang.stopped(self._halt(hung=hang.workers, ask=hang.answering)) from None
         except (RuntimeError, OSError, EOFError) as error:  # WorkerError included
-            # A dead worker stops the stream; a hung one is left to close(), which may
-            # need torch's join timeout to end it, so the error comes without delay.
             self._raise_if_workers_died(error, "during a save")
             raise
 
