@@ -108,7 +108,8 @@ class DatasetError(SavableLoaderError):
 
     Attributes:
         worker_id: The worker that raised (0 without workers), or None if unknown.
-        index: The sequence number of the item the worker was producing, or None.
+        index: The sequence number of the item the worker was producing, or whose
+            checkpoint it was taking (the pipeline's ``save_state()``), or None.
     """
 
     def __init__(self, message: str, *, worker_id: int | None = None, index: int | None = None):
