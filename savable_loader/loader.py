@@ -158,7 +158,7 @@ class SavableDataLoader(DataLoader[Any]):
         # DataLoader guards these names after __init__; the values torch needs underneath
         # (no batching, no dropping) were passed above, and torch's iterators never read
         # them for an iterable dataset, so they can report what the user asked for.
-        object.__setattr__(self, "batch_size", batch_size)
+        object.__setattr__(self, "batch_size", None if batch_sampler is not None else batch_size)
         object.__setattr__(self, "drop_last", drop_last)
         self._own_generator = self.generator
         #: What a state is checked against and resharded for (``_compat.py``).

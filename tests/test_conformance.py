@@ -352,6 +352,24 @@ def test_invalid_combinations_raise_what_torch_raises(kwargs: dict[str, Any]) ->
     assert str(our_error.value) == str(torch_error.value)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"batch_size": 3, "drop_last": True},
+        {"batch_size": None},
+        {"batch_sampler": [[0, 1], [2]]},
+        {"sampler": [2, 0], "batch_size": 2},
+    ],
+)
+def test_batch_size_and_drop_last_read_as_torchs(kwargs: dict[str, Any]) -> None:
+    """Code that re-creates a loader from its attributes (a trainer injecting a sampler)
+    reads back what torch's would report."""
+    ours, torchs = SavableDataLoader(Numbers(), **kwargs), DataLoader(Numbers(), **kwargs)
+    with ours:
+        assert (ours.batch_size, ours.drop_last) == (torchs.batch_size, torchs.drop_last)
+
+
 class _Stream(torch.utils.data.IterableDataset[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(range(4))
