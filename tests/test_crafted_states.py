@@ -380,3 +380,100 @@ def test_a_state_reads_back_unchanged_through_the_bounded_reader(tmp_path):
     loaded = load_state(path)
     assert not isinstance(loaded, list)
     assert loaded.to_plain() == copy.deepcopy(state)
+
+
+# -- counters ------------------------------------------------------------------------------
+
+
+def _indexed(num_workers: int, *, endless: bool = False) -> SavableDataLoader:
+    from savable_loader.datasets import IndexedDataset
+
+    stage = IndexedDataset(list(range(40)))
+    return SavableDataLoader(
+        stage.repeat() if endless else stage, batch_size=BATCH, num_workers=num_workers
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_replay_beyond_any_save_is_refused_at_restore(num_workers):
+    """Before: the restore took delivered=2**62 on an endless repeat, and the first next()
+    replayed forever."""
+    with _indexed(0, endless=True) as loader:
+        iterator = iter(loader)
+        for _ in range(5):
+            next(iterator)
+        state = loader.save_state_rank().to_plain()
+    state["workers"][0]["delivered"] = 2**62
+    with (
+        _indexed(num_workers, endless=True) as loader,
+        pytest.raises(StateFormatError, match=r"workers\[0\]\.delivered is 4611686018427387904"),
+    ):
+        loader.restore_state_rank(state)
+
+
+def test_the_replay_bound_is_exact():
+    from savable_loader.state.bounds import MAX_REPLAY
+
+    with _indexed(0, endless=True) as loader:
+        state = loader.save_state_rank().to_plain()
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.save_state_rank().to_plain()
+    seq = state["workers"][0]["checkpoint"]["seq"]
+    state["workers"][0]["delivered"] = seq + MAX_REPLAY
+    with _indexed(0, endless=True) as loader:
+        loader.restore_state_rank(state)  # accepted (replaying it would take a while)
+        state["workers"][0]["delivered"] += 1
+        with pytest.raises(StateFormatError, match=f"at most {MAX_REPLAY} to replay"):
+            loader.restore_state_rank(state)
+
+
+def test_a_worker_checkpoints_at_least_every_checkpoint_gap_events(monkeypatch):
+    """What bounds a saved replay: the ring takes a checkpoint at least that often."""
+    from savable_loader import _ring
+
+    monkeypatch.setattr(_ring, "CHECKPOINT_GAP", 4)
+    ring = _ring.CheckpointRing(max_lag=100, share=0.0)
+    seq = iter(range(100))
+
+    def capture() -> Any:
+        return _ring.Entry(next(seq), None, None)  # type: ignore[arg-type]
+
+    ring.take(capture)
+    for _ in range(12):
+        ring.maybe_take(1e-9, capture)
+    assert [entry.seq for entry in ring.entries()] == [0, 1, 2, 3]
+    assert ring.taken == 4
+
+
+_EPOCH_SCRIPT = """
+from savable_loader import SavableDataLoader, StateError
+from savable_loader.datasets import IndexedDataset
+def loader(num_workers):
+    return SavableDataLoader(IndexedDataset(list(range(40))), batch_size=2, num_workers=num_workers)
+with loader(0) as saving:
+    iterator = iter(saving)
+    next(iterator)
+    state = saving.save_state_rank().to_plain()
+state["epoch"] = 10**12
+state["workers"][0]["checkpoint"]["state"]["parent"]["epoch"] = 10**12
+with loader(2) as restored:
+    try:
+        restored.restore_state_rank(state)
+    except StateError as error:
+        print("refused", type(error).__name__, error)
+    else:
+        print("accepted")
+"""
+
+
+def test_a_huge_epoch_onto_another_worker_count_is_refused_at_restore():
+    """Before: the reshard walked the pipeline through 10**12 epochs (never returned)."""
+    try:
+        result = _run(_EPOCH_SCRIPT)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the restore did not return within 120 s")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("refused StateFormatError"), result.stdout
+    assert "epoch is 1000000000000" in result.stdout
+    assert "at most 65536" in result.stdout
