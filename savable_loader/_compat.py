@@ -25,6 +25,7 @@ from typing import Any
 from ._elastic import reshard
 from ._layout import Layout
 from .errors import StateFormatError, StateMismatchError
+from .state.bounds import check_counters
 from .state.files import decode_state
 from .state.models import RankState, one_save
 from .state.names import name_changes
@@ -37,8 +38,6 @@ __all__ = [
     "state_key",
     "states_for_layout",
 ]
-
-_MAX_COUNTER = 2**63 - 1
 
 SavedStates = RankState | dict[str, Any] | Sequence[RankState | dict[str, Any]]
 
@@ -134,7 +133,7 @@ def check_compatible(state: RankState, layout: Layout) -> None:
         UnsavableDatasetError: The pipeline has no position to restore.
     """
     layout.check_savable()
-    _check_plausible(state)
+    check_counters(state)
     checks = [
         (
             "world_size",
@@ -179,30 +178,3 @@ def check_compatible(state: RankState, layout: Layout) -> None:
             "or the loader arguments drop_last / collate_fn differ. Rebuild the pipeline "
             "exactly as it was when the state was saved"
         )
-
-
-def _check_plausible(state: RankState) -> None:
-    """Refuses counters no run can reach: a hand-edited or corrupted state.
-
-    Raises:
-        StateFormatError: A counter is beyond int64, or a worker without a checkpoint
-            (one that never started) claims to have delivered events.
-    """
-    counters = [("epoch", state.epoch)]
-    for worker in state.workers:
-        at = f"workers[{worker.worker_id}]"
-        counters.append((f"{at}.delivered", worker.delivered))
-        if worker.checkpoint is not None:
-            counters.append((f"{at}.checkpoint.seq", worker.checkpoint.seq))
-        elif worker.delivered or worker.ended:
-            raise StateFormatError(
-                f"invalid loader state: {at} has delivered={worker.delivered}, "
-                f"ended={worker.ended} but no checkpoint; a worker without a checkpoint never "
-                "started, so it delivered nothing. The state was edited or corrupted"
-            )
-    for name, value in counters:
-        if value > _MAX_COUNTER:
-            raise StateFormatError(
-                f"invalid loader state: {name} is {value}, beyond any run (at most 2**63-1); "
-                "the state was edited or corrupted"
-            )

@@ -49,7 +49,8 @@ from .datasets.adapt import DatasetStage
 from .datasets.elastic import OldStream, ReshardPlan
 from .datasets.stage import Stage
 from .datasets.stateful import StatefulDataset
-from .errors import ApproximateResumeWarning, StateError, StateMismatchError
+from .errors import ApproximateResumeWarning, StateError, StateFormatError, StateMismatchError
+from .state.bounds import MAX_RESHARD_EPOCH, check_counters
 from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState
 from .state.names import name_changes
 
@@ -68,8 +69,19 @@ def reshard(
         StateMismatchError: The states do not belong together or to this pipeline, or the
             pipeline is not elastic and ``approximate`` is False.
         StateError: A saved position cannot be reached again.
+        StateFormatError: A counter is beyond what a save leaves (NOTE [ Counter bounds ]).
     """
+    for state in states:  # before anything replays (NOTE [ Counter bounds ])
+        check_counters(state)
     between = all(state.between_epochs for state in states)
+    latest = max(state.epoch for state in states) + between
+    if latest > MAX_RESHARD_EPOCH:
+        raise StateFormatError(
+            f"cannot restore onto another layout: epoch is {latest - between}, and a restore "
+            "onto another layout walks the pipeline through every earlier epoch, at most "
+            f"{MAX_RESHARD_EPOCH} (NOTE [ Counter bounds ]); restore on the number of workers "
+            "and ranks it was saved with"
+        )
     epoch, states = _check(states, layout)
     saved = states[0]
     target = epoch + 1 if between else epoch

@@ -8,7 +8,9 @@ handing the previous one to torch, waiting for the task); it records one wheneve
 budget covers the cost (measured in the thread's CPU time, so waits for the GIL do not
 count). Expensive items are therefore all checkpointed (a restore recomputes nothing)
 and cheap items are checkpointed every few milliseconds (a restore recomputes a few
-milliseconds of work). A checkpoint is always recorded at start-up and after an END.
+milliseconds of work). A checkpoint is always recorded at start-up and after an END,
+and at least every ``CHECKPOINT_GAP`` events, which bounds what a restore replays (NOTE
+[ Counter bounds ] in ``state/bounds.py``).
 Retention is by sequence number: a worker produces an event only for a task, and torch
 keeps at most ``prefetch_factor * num_workers`` tasks in flight (the item in the user's
 hand is already counted as delivered), so the consumer is at most that many events
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import rng
+from .state.bounds import CHECKPOINT_GAP
 from .state.models import Checkpoint, RngState
 
 __all__ = ["CheckpointRing", "Entry"]
@@ -69,6 +72,8 @@ class CheckpointRing:
         self._costs: collections.deque[float] = collections.deque(maxlen=_COST_WINDOW)
         self._cost = 0.0
         self._budget = 0.0
+        #: Events since the last checkpoint.
+        self._since = 0
 
     @property
     def cost(self) -> float:
@@ -81,6 +86,7 @@ class CheckpointRing:
         # torch's queue feeder thread, which pickles the previous batch meanwhile.
         began = time.thread_time()
         self.record(capture())
+        self._since = 0
         self._costs.append(time.thread_time() - began)
         costs = sorted(self._costs)
         self._cost = costs[len(costs) // 2]
@@ -95,9 +101,12 @@ class CheckpointRing:
         self._budget = min(
             self._budget + elapsed * self.share, _MAX_BUDGET_CHECKPOINTS * self._cost
         )
+        self._since += 1
         if self._budget >= self._cost:
             self.take(capture)
             self._budget -= self._cost
+        elif self._since >= CHECKPOINT_GAP:  # NOTE [ Counter bounds ] in state/bounds.py
+            self.take(capture)
 
     def record(self, entry: Entry) -> None:
         """Appends ``entry`` (replacing one of the same ``seq``) and drops what no save

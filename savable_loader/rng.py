@@ -168,6 +168,11 @@ class _PythonGlobalState:
             gauss = random._inst.gauss_next  # type: ignore[attr-defined]
             random.setstate((_PY_STATE_VERSION, _bytes_to_words(data), gauss))
             return
+        index = int.from_bytes(data[-4:], "little")
+        if index > _MT_WORDS:
+            # NOTE [ Generator states are checked at the door ] in state/generators.py:
+            # an index past 624 would make the next draw read and write past the object.
+            raise ValueError(f"python random state has index {index}, outside 0..{_MT_WORDS}")
         raw = data[-4:] + data[:-4]
         ctypes.memmove(id(random._inst) + self._offset, raw, len(raw))
 

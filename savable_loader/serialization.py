@@ -110,7 +110,7 @@ def loads(data: bytes) -> object:
     """
     data = _as_bytes(data)
     info = peek_header(data)
-    body = data[HEADER_SIZE:]
+    body = memoryview(data)[HEADER_SIZE:]  # checked and decoded in place, not copied
     if len(body) < info.body_length:
         raise StateFormatError(
             f"The state data is truncated: its header announces a body of {info.body_length} bytes "
@@ -140,10 +140,10 @@ def loads(data: bytes) -> object:
             max_map_len=n,
             max_ext_len=n,
         )
-    except (ValueError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise StateFormatError(
             f"The state file is corrupt: its checksum matches but its body is not valid msgpack "
-            f"({exc}); it was not written by savable_loader."
+            f"({str(exc) or type(exc).__name__}); it was not written by savable_loader."
         ) from exc
     problem = find_non_plain(payload)
     if problem is not None:

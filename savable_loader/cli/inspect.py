@@ -8,9 +8,9 @@ from typing import Any
 
 import msgpack
 
-from .. import serialization, storage
+from .. import serialization
 from ..errors import SavableLoaderError
-from ..state.files import state_from_payload
+from ..state.files import read_state_bytes, state_from_payload
 from ..state.models import RankState, WorkerState
 from .output import _PROG, _err, _out
 
@@ -23,13 +23,17 @@ def _one_line(error: BaseException) -> str:
 
 def _inspect(url: str, *, as_json: bool) -> int:
     try:
-        data = storage.read_bytes(url)
+        # What load_state(url) does (NOTE [ Bounded reads ] in state/files.py), keeping
+        # the bytes for the header's summary.
+        data = read_state_bytes(url)
         header = serialization.peek_header(data)
-        # What load_state(url) does, on the bytes already read.
         payload = serialization.loads(data)
         loaded = state_from_payload(payload)
     except SavableLoaderError as error:
         _err(f"{_PROG} inspect: {url}: {_one_line(error)}")
+        return 2
+    except RecursionError:  # the checks bound nesting; a crafted file still gets one line
+        _err(f"{_PROG} inspect: {url}: not a valid loader state: nested too deeply")
         return 2
     states = loaded if isinstance(loaded, list) else [loaded]
     summary: dict[str, Any] = {

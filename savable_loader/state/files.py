@@ -5,21 +5,55 @@ A file holds one payload, ``{"kind": "rank", "state": ...}`` for what
 them (one per rank), encoded by :mod:`savable_loader.serialization` (msgpack behind a
 checked header; never pickle) and written by :mod:`savable_loader.storage` (atomic for
 local paths).
+
+NOTE [ Bounded reads ]
+A state file is untrusted input, so reading one costs bounded memory and time whatever
+the file is. :func:`load_state` reads the first 64 KiB (the whole of a small file) and
+refuses a foreign or damaged header there, before it reads the rest; then it refuses a
+file whose size (or, when the size is unknown, the body its header announces) is beyond
+``max_bytes`` (default :data:`MAX_STATE_BYTES`, 1 GiB), and otherwise reads at most
+``max_bytes + 1`` bytes, so that a source without a known size (a stream) cannot make
+it read on. A local path must be a regular file: a FIFO would block the reader until a
+writer comes, and a character device (``/dev/zero``) never ends; both are refused before
+they are opened for reading, and the file is opened non-blocking and checked again.
+
+1 GiB is far above any state a loader writes: a rank's state holds its workers'
+checkpoints, about 13 KB of generator states each plus the pipeline's small state, so
+one rank of 8 workers weighs ~100 KB and a global state of 1,000 such ranks ~100 MB. A
+larger state (thousands of ranks in one file) reads with ``max_bytes`` raised, or per
+rank (``save_state_rank``). Decoding copies nothing more: the body is checked and
+decoded in place, so reading a file costs about its size in memory.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
+
+import fsspec
 
 from .. import serialization, storage
-from ..errors import StateFormatError
+from ..errors import StateFormatError, StorageError
 from .models import RankState
 
-__all__ = ["decode_state", "encode_state", "load_state", "save_state"]
+__all__ = [
+    "MAX_STATE_BYTES",
+    "decode_state",
+    "encode_state",
+    "load_state",
+    "read_state_bytes",
+    "save_state",
+]
+
+#: The largest state file :func:`load_state` reads unless told otherwise, in bytes
+#: (NOTE [ Bounded reads ]).
+MAX_STATE_BYTES = 1 << 30
 
 _KINDS = ("rank", "global")
+#: Bytes read before the header is checked: a small file whole, a large one's start.
+_SNIFF = 1 << 16
 
 
 def save_state(
@@ -62,15 +96,134 @@ def decode_state(data: bytes) -> RankState | list[RankState]:
     return state_from_payload(serialization.loads(data))
 
 
-def load_state(url: str | os.PathLike[str], **storage_options: Any) -> RankState | list[RankState]:
+def load_state(
+    url: str | os.PathLike[str], *, max_bytes: int | None = None, **storage_options: Any
+) -> RankState | list[RankState]:
     """Reads a loader state written by :func:`save_state`.
+
+    Args:
+        url: A local path or any fsspec URL.
+        max_bytes: The largest file to read, in bytes; None: :data:`MAX_STATE_BYTES`
+            (1 GiB). A larger file is refused after its header is read (NOTE [ Bounded
+            reads ]).
+        **storage_options: Passed to fsspec (credentials, endpoint).
 
     Raises:
         StateFormatError: The file is not a valid loader state (corrupt, truncated,
-            foreign, pickle, or of an unknown format version). Nothing is executed.
-        StorageError: Reading failed.
+            foreign, pickle, of an unknown format version, or larger than ``max_bytes``).
+            Nothing is executed.
+        StorageError: Reading failed, or a local path is not a regular file (a FIFO, a
+            device, a folder).
     """
-    return decode_state(storage.read_bytes(url, **storage_options))
+    return decode_state(read_state_bytes(url, max_bytes=max_bytes, **storage_options))
+
+
+def read_state_bytes(
+    url: str | os.PathLike[str], *, max_bytes: int | None = None, **storage_options: Any
+) -> bytes:
+    """Reads a state file's bytes at a bounded cost (NOTE [ Bounded reads ]).
+
+    The header is checked before the body is read; the body is not checked.
+
+    Raises:
+        StateFormatError: The header is not a savable_loader header, or the file is
+            larger than ``max_bytes`` (:data:`MAX_STATE_BYTES` when None).
+        StorageError: Reading failed, or a local path is not a regular file.
+    """
+    limit = MAX_STATE_BYTES if max_bytes is None else max_bytes
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < serialization.HEADER_SIZE:
+        raise StateFormatError(
+            f"max_bytes must be an int of at least {serialization.HEADER_SIZE} (the header), "
+            f"got {limit!r}"
+        )
+    url, local = storage._resolve(url, storage_options)
+    if local is not None:
+        return _read_local(url, local, limit)
+    try:
+        with storage._remote_errors(url, "read"):
+            fs, path = fsspec.url_to_fs(url, **storage_options)
+            with fs.open(path, "rb") as file:
+                size = getattr(file, "size", None)
+                return _read_bounded(url, file, size if isinstance(size, int) else None, limit)
+    except StorageError as error:
+        if isinstance(error.__cause__, StateFormatError):  # the bytes' fault, not the read's
+            raise error.__cause__ from None
+        raise
+
+
+def _read_local(url: str, path: str, limit: int) -> bytes:
+    try:
+        kind = _not_regular(os.stat(path).st_mode)
+        if kind is not None:
+            raise StorageError(f"Cannot read {url}: it is {kind}, not a regular file.")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        with open(fd, "rb") as file:
+            info = os.fstat(file.fileno())
+            kind = _not_regular(info.st_mode)  # replaced between the two looks
+            if kind is not None:
+                raise StorageError(f"Cannot read {url}: it is {kind}, not a regular file.")
+            return _read_bounded(url, file, info.st_size, limit)
+    except OSError as exc:
+        raise StorageError(f"Cannot read {url}: {storage.describe_error(exc)}.") from exc
+
+
+def _not_regular(mode: int) -> str | None:
+    """What a file of ``mode`` is when it is not a regular file (None when it is)."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe), which would block the reader until a writer comes"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device, which may never end (/dev/zero)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
+
+def _read_bounded(url: str, file: IO[bytes], size: int | None, limit: int) -> bytes:
+    """Reads the start, checks the header and the sizes against ``limit``, then the rest."""
+    # A small file is read whole at once, so a foreign one is named as it always was
+    # (a protocol-0 pickle is recognised by its last byte); a large one stops here.
+    head = _read_up_to(file, min(_SNIFF, limit + 1))
+    info = serialization.peek_header(head)  # a foreign or damaged file stops here
+    # A known size is what will be read; a header announcing more is a truncated file,
+    # which decoding names as such. Without a known size, the header is all there is.
+    expected = size if size is not None else serialization.HEADER_SIZE + info.body_length
+    if expected > limit:
+        what = f"it has {size:,}" if size is not None else f"its header announces {expected:,}"
+        raise StateFormatError(
+            f"The state file {url} is too large: {what} bytes, more than max_bytes="
+            f"{limit:,} (NOTE [ Bounded reads ]; a loader's state is far smaller). If it "
+            "really is a state this large, pass a larger max_bytes to load_state."
+        )
+    if len(head) < _SNIFF:
+        data = head  # the whole file
+    elif size is not None and file.seekable():
+        # One read of the whole file: a single buffer of its size, nothing joined.
+        file.seek(0)
+        data = _read_up_to(file, size + 1)
+    else:
+        data = head + _read_up_to(file, limit + 1 - len(head))
+    if len(data) > limit:  # a source whose size was not known, or that grew
+        raise StateFormatError(
+            f"The state file {url} is too large: more than max_bytes={limit:,} bytes."
+        )
+    return data
+
+
+def _read_up_to(file: IO[bytes], n: int) -> bytes:
+    """Up to ``n`` bytes: fewer only at the end of the file. A file that gives them in
+    one read gives them without a copy (``join`` returns a lone part as it is)."""
+    parts: list[bytes] = []
+    while n > 0:
+        part = file.read(n)
+        if not part:
+            break
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
 
 
 def state_from_payload(payload: Any) -> RankState | list[RankState]:

@@ -70,7 +70,13 @@ def _decode(encoded: bytes, where: str) -> Any:
             max_ext_len=n,
         )
     except (ValueError, msgpack.UnpackException) as error:
-        raise StateFormatError(f"{where}.dataset_state is not valid msgpack ({error})") from None
+        raise StateFormatError(
+            f"{where}.dataset_state is not valid msgpack ({str(error) or type(error).__name__})"
+        ) from None
+    except TypeError as error:  # a map key msgpack cannot make a dict key: an array, a map
+        raise StateFormatError(
+            f"{where}.dataset_state is not plain data: a map key is not a str ({error})"
+        ) from None
     problem = find_non_plain(state)
     if problem is not None:
         raise StateFormatError(f"{where}.dataset_state is not plain data: {problem}")

@@ -44,6 +44,7 @@ from pydantic import (
 
 from ..errors import StateFormatError
 from ..plain import find_non_plain
+from .generators import check_python, check_torch
 from .migrate import migrate
 
 __all__ = [
@@ -77,6 +78,29 @@ def _plain(what: str) -> Callable[[Any], Any]:
     return check
 
 
+def _generators_inside(state: Any) -> Any:
+    """Checks every generator state a pipeline state holds (a stage's saved generators,
+    such as a ``Shuffle`` window's) as :class:`RngState` checks the worker's: NOTE
+    [ Generator states are checked at the door ] in ``generators.py``. A generator state
+    is recognised by its fields, wherever a stage keeps it."""
+    pending: list[tuple[str, Any]] = [("state", state)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, dict):
+            if value.keys() == RngState.model_fields.keys():
+                try:
+                    RngState.model_validate(value)
+                except ValidationError as error:
+                    problems = "; ".join(str(e["msg"]) for e in error.errors())
+                    raise ValueError(
+                        f"the generator state at {path} is invalid: {problems}"
+                    ) from None
+            pending.extend((f"{path}.{key}", item) for key, item in value.items())
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return state
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -92,6 +116,11 @@ class RngState(_Model):
         numpy_has_gauss: Whether NumPy holds a cached Gaussian (0 or 1).
         numpy_gauss: NumPy's cached Gaussian.
         torch: torch's CPU generator state as returned by ``torch.get_rng_state()``.
+
+    Each generator's part is checked as its own setter checks it (``random.setstate``,
+    ``torch.Generator.set_state``) when the model is built: a crafted state fails here,
+    never in the generator (NOTE [ Generator states are checked at the door ] in
+    ``generators.py``).
     """
 
     python: Annotated[StrictBytes, Field(min_length=2500, max_length=2500)]
@@ -101,6 +130,13 @@ class RngState(_Model):
     numpy_has_gauss: Annotated[StrictInt, Field(ge=0, le=1)]
     numpy_gauss: StrictFloat
     torch: Annotated[StrictBytes, Field(min_length=1, max_length=1 << 20)]
+
+    @model_validator(mode="after")
+    def _generators_accept_it(self) -> RngState:
+        # NOTE [ Generator states are checked at the door ] in generators.py
+        check_python(self.python, self.python_gauss)
+        check_torch(self.torch)
+        return self
 
 
 class Checkpoint(_Model):
@@ -115,7 +151,9 @@ class Checkpoint(_Model):
     """
 
     seq: NonNegative
-    state: Annotated[Any, AfterValidator(_plain("the pipeline state"))]
+    state: Annotated[
+        Any, AfterValidator(_plain("the pipeline state")), AfterValidator(_generators_inside)
+    ]
     rng: RngState
 
 
@@ -135,6 +173,15 @@ class OrderSnapshot(_Model):
     generators: tuple[Annotated[StrictBytes, Field(max_length=1 << 20)], ...]
     sampler: Annotated[Any, AfterValidator(_plain("the sampler's state"))] = None
     sampler_epoch: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _generators_accept_them(self) -> OrderSnapshot:
+        for index, data in enumerate(self.generators):
+            try:
+                check_torch(data)
+            except ValueError as error:
+                raise ValueError(f"generators[{index}]: {error}") from None
+        return self
 
 
 class OrderState(_Model):
