@@ -112,6 +112,8 @@ def load_state(
         StateFormatError: The file is not a valid loader state (corrupt, truncated,
             foreign, pickle, of an unknown format version, or larger than ``max_bytes``).
             Nothing is executed.
+        StateFileNotFoundError: Nothing exists at ``url``; also a ``FileNotFoundError``,
+            so ``except FileNotFoundError:`` starts a first run fresh.
         StorageError: Reading failed, or a local path is not a regular file (a FIFO, a
             device, a folder).
     """
@@ -128,6 +130,7 @@ def read_state_bytes(
     Raises:
         StateFormatError: The header is not a savable_loader header, or the file is
             larger than ``max_bytes`` (:data:`MAX_STATE_BYTES` when None).
+        StateFileNotFoundError: Nothing exists at ``url`` (also a ``FileNotFoundError``).
         StorageError: Reading failed, or a local path is not a regular file.
     """
     limit = MAX_STATE_BYTES if max_bytes is None else max_bytes
@@ -163,6 +166,8 @@ def _read_local(url: str, path: str, limit: int) -> bytes:
             if kind is not None:
                 raise StorageError(f"Cannot read {url}: it is {kind}, not a regular file.")
             return _read_bounded(url, file, info.st_size, limit)
+    except FileNotFoundError as exc:
+        raise storage._not_found(url) from exc  # NOTE [ A missing state file ]
     except OSError as exc:
         raise StorageError(f"Cannot read {url}: {storage.describe_error(exc)}.") from exc
 
