@@ -15,6 +15,19 @@ It also keeps one copy of a non-tensor value per key across ranks, so ranks must
 share a key. Hence one key per data-parallel rank holding the encoded state as bytes:
 ranks with the same data-parallel rank (tensor-parallel peers) yield the same stream, so
 one copy of their states serves them all.
+
+NOTE [ Checking a replay ]
+A restored worker restores its checkpoint and then skips ``delivered - checkpoint.seq``
+batches (``catch_up`` in ``_runtime.py``) in the worker, after ``restore_state_rank``
+returned. A state whose ``delivered`` lies past the end of the epoch would only fail
+there, at the first ``next()``. So the restore asks the pipeline first how many batches
+it has left from the checkpoint (``Stage.items_left``): sources that know their shard
+(an ``IndexedDataset``, a map-style dataset, ``TokenSource``, a file source with
+``split="samples"`` on several streams) answer by arithmetic on the state, without
+reading data or running the user's code; a map or a filter answers with its parent's
+bound, a limit with its count, batching with the batches those items fill. Where a stage
+cannot tell (a user's dataset, a shuffle buffer, a blend) nothing is checked here and
+the worker reports it when it replays.
 """
 
 from __future__ import annotations
@@ -24,7 +37,8 @@ from typing import Any
 
 from ._elastic import reshard
 from ._layout import Layout
-from .errors import StateFormatError, StateMismatchError
+from .config import WorkerContext
+from .errors import StateError, StateFormatError, StateMismatchError
 from .state.bounds import check_counters
 from .state.files import decode_state
 from .state.models import RankState, one_save
@@ -178,3 +192,34 @@ def check_compatible(state: RankState, layout: Layout) -> None:
             "or the loader arguments drop_last / collate_fn differ. Rebuild the pipeline "
             "exactly as it was when the state was saved"
         )
+    check_replays(state, layout)
+
+
+def check_replays(state: RankState, layout: Layout) -> None:
+    """Refuses a worker whose replay would run past the end of its epoch (NOTE [ Checking
+    a replay ]).
+
+    Raises:
+        StateError: A worker's ``delivered`` lies past what its pipeline has left.
+    """
+    for worker in state.workers:
+        checkpoint = worker.checkpoint
+        if checkpoint is None or worker.ended or worker.replay <= 0:
+            continue
+        context = WorkerContext(
+            layout.rank,
+            layout.world_size,
+            worker.worker_id,
+            layout.num_workers,
+            layout.seed,
+            layout.batch_size,
+        )
+        left = layout.root.items_left(checkpoint.state, context)
+        if left is not None and worker.replay > left:
+            raise StateError(
+                f"invalid loader state: workers[{worker.worker_id}].delivered is "
+                f"{worker.delivered}, {worker.replay} batches past its checkpoint at seq "
+                f"{checkpoint.seq}, but the pipeline has {left} left in that epoch from "
+                "there: the position lies past the end of the data. Restore a state saved "
+                "by the same pipeline over the same data"
+            )

@@ -477,3 +477,71 @@ def test_a_huge_epoch_onto_another_worker_count_is_refused_at_restore():
     assert result.stdout.startswith("refused StateFormatError"), result.stdout
     assert "epoch is 1000000000000" in result.stdout
     assert "at most 65536" in result.stdout
+
+
+# -- positions past the end of the data (NOTE [ Checking a replay ] in _compat.py) --------
+
+
+class _Squares:
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> int:
+        return index * index
+
+
+def _past_the_end(build: Any, extra: int) -> tuple[Any, Any]:
+    """A state saved after two batches, with ``delivered`` moved ``extra`` batches on."""
+    from savable_loader.state.models import RankState
+
+    with build() as loader:
+        iterator = iter(loader)
+        next(iterator), next(iterator)
+        state = loader.save_state_rank()
+    payload = state.model_dump()
+    worker = payload["workers"][0]
+    worker["delivered"] += extra
+    return state, RankState.model_validate(payload)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_delivered_past_the_end_of_a_map_style_dataset_is_refused_at_restore(num_workers):
+    from savable_loader import SavableDataLoader, StateError
+
+    def build() -> Any:
+        return SavableDataLoader(_Squares(), batch_size=3, num_workers=num_workers, seed=1)
+
+    # 20 items are 7 batches; worker 0 of two holds 4 of them and delivered 1 of the 2.
+    fits = 5 if num_workers == 0 else 3
+    _, bad = _past_the_end(build, fits + 50)
+    with build() as loader, pytest.raises(StateError, match=r"workers\[0\]\.delivered is"):
+        loader.restore_state_rank(bad)
+    _, edge = _past_the_end(build, fits)
+    with build() as loader:
+        loader.restore_state_rank(edge)  # worker 0 at its last batch: a valid position
+        assert len(list(loader)) == (0 if num_workers == 0 else 2)  # worker 1's rest
+
+
+def test_a_delivered_past_a_files_run_or_a_limit_is_refused_at_restore(tmp_path):
+    from savable_loader import SavableDataLoader, StateError, WorkerConfig
+    from savable_loader.datasets import JsonLinesSource, Limit
+
+    for part, count in enumerate([5, 9, 2]):
+        (tmp_path / f"{part}.jsonl").write_text("".join(f'{{"i": {i}}}\n' for i in range(count)))
+    config = WorkerConfig(rank=1, world_size=2)
+
+    def files() -> Any:
+        return SavableDataLoader(
+            JsonLinesSource(str(tmp_path / "*")), batch_size=2, worker_config=config
+        )
+
+    _, bad = _past_the_end(files, 50)
+    with files() as loader, pytest.raises(StateError, match="past the end of the data"):
+        loader.restore_state_rank(bad)
+
+    def limited() -> Any:
+        return SavableDataLoader(Limit(RandomCounter(1000), 9), batch_size=2)
+
+    _, bad = _past_the_end(limited, 4)  # 9 items: 5 batches, 2 taken, 3 left
+    with limited() as loader, pytest.raises(StateError, match="has 3 left"):
+        loader.restore_state_rank(bad)

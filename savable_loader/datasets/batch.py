@@ -92,6 +92,18 @@ class Batch(Transform[Any]):
     def cursor(self, context: WorkerContext) -> Cursor[Any]:
         return _BatchCursor(self, self.source.cursor(context), context)
 
+    def items_left(self, state: Any, context: WorkerContext) -> int | None:
+        """Batches left: those the source's items left fill (NOTE [ Checking a replay ]
+        in ``_compat.py``)."""
+        if not isinstance(state, dict) or "parent" not in state:
+            return None
+        if state.get("exhausted") is True:
+            return 0
+        items = self.source.items_left(state["parent"], context)
+        if items is None or self.batch_size is None:
+            return items
+        return items // self.batch_size if self.drop_last else -(-items // self.batch_size)
+
     def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
         """Elastic when the source is: a new stream starts with a batch to fill."""
         return {"parent": self.source.reshard(plan.parents()), "exhausted": False}

@@ -195,6 +195,12 @@ class ShardCursor(Cursor[T]):
             self.end_epoch()
         return passed
 
+    def left(self) -> int | None:
+        """Samples left of this stream's run of the epoch; None when one stream reads the
+        files in order."""
+        run = self._sample_run()
+        return None if run is None else len(run) - self.taken
+
     def _sample_run(self) -> _Run[T] | None:
         """The epoch as this stream reads it; None when one stream reads the files in
         order (NOTE [ Splitting files by samples ])."""

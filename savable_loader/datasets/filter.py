@@ -35,6 +35,8 @@ class Filter(Transform[T]):
         when its source is (NOTE [ Elastic resume ]).
     """
 
+    bounded_by_parent = True
+
     def __init__(self, source: Any, predicate: Callable[[T], bool]) -> None:
         super().__init__(source)
         if not callable(predicate):

@@ -212,6 +212,11 @@ class IndexedDataset(Stage[T]):
             f"with an empty epoch; {fix}"
         )
 
+    def items_left(self, state: Any, context: WorkerContext) -> int | None:
+        cursor = self.cursor(context)
+        cursor.restore(state)
+        return cursor.shard_length - cursor.pos
+
     def epoch_length(self, world_size: int) -> int:
         """Items of a fresh epoch over ``world_size`` ranks, padding included."""
         return epoch_length(len(self.data), world_size, self.even)

@@ -87,6 +87,14 @@ class Limit(Transform[T]):
     def cursor(self, context: WorkerContext) -> Cursor[T]:
         return _LimitCursor(self.n, self.source.cursor(context), context)
 
+    def items_left(self, state: Any, context: WorkerContext) -> int | None:
+        if not isinstance(state, dict) or "parent" not in state:
+            return None
+        own = validate_state(_Count, {k: v for k, v in state.items() if k != "parent"}, "Limit")
+        mine = max(0, (self.n if own.quota is None else own.quota) - own.count)
+        parent = self.source.items_left(state["parent"], context)
+        return mine if parent is None else min(mine, parent)
+
     def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
         """Splits what the saved streams had left over the new ones (NOTE [ Elastic limit ])."""
         parent = self.source.reshard(plan.parents())

@@ -57,6 +57,8 @@ class Map(Transform[U]):
         the next epochs by the same keys as a fresh run on that layout.
     """
 
+    bounded_by_parent = True
+
     def __init__(self, source: Any, fn: Callable[..., U], *, seed: int | None = None) -> None:
         super().__init__(source)
         if not callable(fn):

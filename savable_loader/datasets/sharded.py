@@ -277,6 +277,15 @@ class ShardedSource(Stage[T]):
         spans = None if model.rest is None else Spans.parse(model.rest, model.length or 0, name)
         return model, spans
 
+    def items_left(self, state: Any, context: WorkerContext) -> int | None:
+        """Samples left of a ``split="samples"`` stream's run (None with one stream, which
+        reads to the end of its files, or with ``split="files"``)."""
+        if self.split != "samples":
+            return None
+        cursor = self.cursor(context)
+        cursor.restore(state)
+        return cursor.left()  # type: ignore[attr-defined,no-any-return]
+
     def zero_position(self) -> dict[str, int]:
         """The position at the start of a file, as the state names it."""
         return dict.fromkeys(self.position_fields, 0)

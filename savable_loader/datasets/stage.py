@@ -103,6 +103,16 @@ class Stage(IterableDataset[T], abc.ABC):
         """
         raise NotElastic(self.describe(), self.elastic_reason, self.elastic_fix)
 
+    def items_left(self, state: Any, context: WorkerContext) -> int | None:
+        """At most how many items a cursor for ``context`` restored to ``state`` yields
+        before its epoch ends, worked out without reading any data (NOTE [ Checking a
+        replay ] in ``_compat.py``); None when this stage cannot tell.
+
+        Raises:
+            StateError: ``state`` is malformed.
+        """
+        return None
+
     def check_layout(self, context: WorkerContext) -> None:
         """Refuses a layout on which some stream would get no data at all, which would
         leave its rank without steps while the others wait for it in a collective. The

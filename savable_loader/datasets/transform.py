@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
+from ..config import WorkerContext
 from .adapt import as_stage
 from .stage import Stage
 
@@ -20,8 +21,17 @@ class Transform(Stage[T]):
             Stateful iterable or a map-style dataset (see ``as_stage``).
     """
 
+    #: Yields at most as many items as its parent in an epoch (a map, a filter): its
+    #: parent's :meth:`items_left` bounds its own.
+    bounded_by_parent: ClassVar[bool] = False
+
     def __init__(self, source: Any) -> None:
         self.source: Stage[Any] = as_stage(source)
+
+    def items_left(self, state: Any, context: WorkerContext) -> int | None:
+        if not self.bounded_by_parent or not isinstance(state, dict) or "parent" not in state:
+            return None
+        return self.source.items_left(state["parent"], context)
 
     @property
     def children(self) -> tuple[Stage[Any], ...]:
