@@ -240,12 +240,12 @@ def _jsonl_files(folder: Any, count: int) -> str:
         (1, 4, 0, "rank 0 worker 3"),
     ],
 )
-def test_a_file_source_with_more_streams_than_files_is_refused_when_built(
+def test_a_files_split_with_more_streams_than_files_is_refused_when_built(
     tmp_path, ranks, workers, rank, named
 ):
     from savable_loader.datasets import JsonLinesSource
 
-    source = JsonLinesSource(_jsonl_files(tmp_path, 3))
+    source = JsonLinesSource(_jsonl_files(tmp_path, 3), split="files")
     with pytest.raises(ConfigError) as info:
         SavableDataLoader(
             source,
@@ -262,7 +262,7 @@ def test_a_file_source_with_more_streams_than_files_is_refused_when_built(
 def test_a_blend_checks_each_of_its_sources(tmp_path):
     from savable_loader.datasets import JsonLinesSource
 
-    files = JsonLinesSource(_jsonl_files(tmp_path, 1))
+    files = JsonLinesSource(_jsonl_files(tmp_path, 1), split="files")
     blend = IndexedDataset(list(range(10))).blend([files], weights=[1, 1], seed=0)
     with pytest.raises(ConfigError, match="rank 0 worker 1 would read no file"):
         SavableDataLoader(blend, batch_size=None, num_workers=2)
