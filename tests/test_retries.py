@@ -134,7 +134,9 @@ def _tar(file: int, count: int) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for i in range(count):
-            for ext, data in (("txt", b"%d" % (file * 100 + i) * (i + 1)), ("cls", b"%d" % i)):
+            # members over tarfile's 10 KB reads, so faults also fall inside a sample
+            text = b"%d," % (file * 100 + i) * 1500 * (i + 1)
+            for ext, data in (("txt", text), ("cls", b"%d" % i)):
                 info = tarfile.TarInfo(f"s{file}/{i:04d}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))

@@ -34,6 +34,11 @@ succeeds starts the next one afresh. Each retry is logged at WARNING by the
 names the URL, the attempts and the last error. The jitter comes from a generator of this
 module, never from the global ones, so retries leave the data stream and users'
 augmentations untouched.
+
+To change the policy, replace :data:`DEFAULT_POLICY` (a frozen :class:`RetryPolicy`)
+before the loader starts its workers: forked workers inherit it; under ``spawn`` and
+``forkserver`` a worker imports this module afresh, so replace it there too (in the
+``worker_init_fn``, or in a module the dataset's pickle imports).
 """
 
 from __future__ import annotations
