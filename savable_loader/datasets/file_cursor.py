@@ -4,12 +4,16 @@ It reads with either rule of NOTE [ Shard listing and assignment ] in ``sharded.
 whole files (``split="files"``: an index into the stream's own list of files), or a run
 of the epoch's sample ids (``split="samples"``, NOTE [ Splitting files by samples ] in
 ``sample_split.py``). A source's cursor only says how to read one item of an open file
-(:meth:`ShardCursor.read_item`) and what its position inside a file is.
+(:meth:`ShardCursor.read_item`) and what its position inside a file is. Every read goes
+through :meth:`ShardCursor.attempt`, which retries transient storage errors from the same
+position (NOTE [ Retries ] in ``retry.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import IO, Any, Generic, TypeVar
 
 from ..config import WorkerContext
@@ -17,6 +21,7 @@ from ..errors import StateError, StorageError
 from .cursor import Cursor
 from .file_rest import Rest, check_begun
 from .files import storage_errors
+from .retry import retrying
 from .sample_split import Spans, locate, stream_run
 from .sharded import ShardedSource
 
@@ -25,6 +30,7 @@ __all__ = ["ShardCursor"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class _Run(Generic[T]):
@@ -123,11 +129,7 @@ class ShardCursor(Cursor[T]):
             if url is None:
                 self.end_epoch()
                 raise StopIteration
-            try:
-                item = self.read_item(url)
-            except BaseException:
-                self.close()  # a retry reopens the file at the same position
-                raise
+            item = self.attempt(url, functools.partial(self.read_item, url))
             if self.file_done:
                 self.next_shard()
             if item is not None:
@@ -150,12 +152,7 @@ class ShardCursor(Cursor[T]):
             self.move_to(place)
         url = self._url(place)
         while self.at < index:
-            try:
-                passed = self.pass_item(url)
-            except BaseException:
-                self.close()
-                raise
-            if not passed:
+            if not self.attempt(url, functools.partial(self.pass_item, url)):
                 break
             self.at += 1
         before = self.at
@@ -171,9 +168,11 @@ class ShardCursor(Cursor[T]):
         """Reads the sample at ``at`` of the open file; at its end moves to the next one."""
         start = self.position()
         try:
-            item = self.read_item(url)
-        except BaseException:
-            if self.position() != start:  # the source moved past a bad item
+            item = self.attempt(url, functools.partial(self.read_item, url))
+        except BaseException as exc:
+            # The source moved past a malformed item; a storage error moves past none
+            # (a JSON lines file may have moved past blank lines).
+            if not isinstance(exc, StorageError) and self.position() != start:
                 self.at += 1
                 self.taken += 1
             self.close()
@@ -256,6 +255,11 @@ class ShardCursor(Cursor[T]):
         self.move(self.epoch, self.shard + 1)
 
     # -- files ---------------------------------------------------------------------------
+
+    def attempt(self, url: str, call: Callable[[], R]) -> R:
+        """Returns ``call()``, a read of ``url``; after a failure closes the file, keeping
+        the position, and retries a transient error (NOTE [ Retries ] in ``retry.py``)."""
+        return retrying(url, call, self.close)
 
     def open_file(self, url: str) -> IO[bytes]:
         """Returns the open file being read, positioned at ``offset``."""
