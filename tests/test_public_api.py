@@ -63,6 +63,7 @@ def test_datasets_all_is_sorted_and_pinned():
         "Limit",
         "Map",
         "Repeat",
+        "RetryPolicy",
         "SavableDataset",
         "Shuffle",
         "Stage",

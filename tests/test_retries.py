@@ -495,3 +495,33 @@ def test_a_loader_with_workers_resumes_exactly_under_faults(kind: str, waits: li
             second.restore_state_rank(state)
             assert head + [_ident(item) for item in second] == want, k
     assert FAULTS.count > 0  # counted across the workers
+
+
+# -- a policy per source, and the counting pass -------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "tar"])
+def test_a_source_s_own_policy_is_used(kind: str, waits: list[float]) -> None:
+    source = _source(kind, retry=retry.RetryPolicy(attempts=2, base_delay=0.5, max_delay=0.5))
+    FAULTS.reset(read={1, 2})  # two failures in a row: beyond 2 attempts in all
+    with pytest.raises(StorageError, match=r"2 attempts failed with transient errors"):
+        list(source.cursor(WorkerContext(0, 1, 0, 0, 0, None)))
+    assert len(waits) == 1
+    assert 0 <= waits[0] <= 0.5
+    assert source.config() == _source(kind).config()  # not part of the fingerprint
+
+
+def test_a_policy_that_is_not_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match="retry must be a RetryPolicy"):
+        JsonLinesSource(_write("jsonl"), retry=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "tar"])
+def test_counting_the_samples_retries_too(kind: str, waits: list[float]) -> None:
+    FAULTS.armed = False
+    pattern = _write(kind)
+    build = JsonLinesSource if kind == "jsonl" else TarSource
+    want = build(pattern).sample_counts()
+    FAULTS.reset(open={1, 3}, read={2, 5, 9})
+    assert build(pattern).sample_counts() == want
+    assert FAULTS.count == len(waits) > 0

@@ -20,6 +20,7 @@ from .jsonl import JsonLinesSource
 from .limit import Limit
 from .map import Map
 from .repeat import Repeat
+from .retry import RetryPolicy
 from .shuffle import Shuffle
 from .stage import Stage
 from .stateful import StatefulDataset, from_stateful
@@ -36,6 +37,7 @@ __all__ = [
     "Limit",
     "Map",
     "Repeat",
+    "RetryPolicy",
     "SavableDataset",
     "Shuffle",
     "Stage",

@@ -259,7 +259,7 @@ class ShardCursor(Cursor[T]):
     def attempt(self, url: str, call: Callable[[], R]) -> R:
         """Returns ``call()``, a read of ``url``; after a failure closes the file, keeping
         the position, and retries a transient error (NOTE [ Retries ] in ``retry.py``)."""
-        return retrying(url, call, self.close)
+        return retrying(url, call, self.close, self.stage.retry)
 
     def open_file(self, url: str) -> IO[bytes]:
         """Returns the open file being read, positioned at ``offset``."""

@@ -35,10 +35,12 @@ names the URL, the attempts and the last error. The jitter comes from a generato
 module, never from the global ones, so retries leave the data stream and users'
 augmentations untouched.
 
-To change the policy, replace :data:`DEFAULT_POLICY` (a frozen :class:`RetryPolicy`)
-before the loader starts its workers: forked workers inherit it; under ``spawn`` and
-``forkserver`` a worker imports this module afresh, so replace it there too (in the
-``worker_init_fn``, or in a module the dataset's pickle imports).
+To change the policy of one source, pass ``retry=RetryPolicy(...)`` to it: the policy
+travels with the source into every worker, whatever the start method. Sources without
+one use :data:`DEFAULT_POLICY`; replacing that changes them all, in the process that
+replaces it (forked workers inherit it; ``spawn`` and ``forkserver`` workers import this
+module afresh). Counting a source's samples (NOTE [ Counting samples ] in
+``sharded.py``) is retried the same way.
 """
 
 from __future__ import annotations
@@ -149,8 +151,14 @@ class RetryPolicy:
 DEFAULT_POLICY = RetryPolicy()
 
 
-def retrying(url: str, call: Callable[[], T], reset: Callable[[], None]) -> T:
-    """Returns ``call()``, retried after transient errors under :data:`DEFAULT_POLICY`.
+def retrying(
+    url: str,
+    call: Callable[[], T],
+    reset: Callable[[], None],
+    policy: RetryPolicy | None = None,
+) -> T:
+    """Returns ``call()``, retried after transient errors under ``policy`` (None:
+    :data:`DEFAULT_POLICY` as it is now).
 
     ``reset`` runs after every failure (it closes the file, keeping the position).
 
@@ -159,7 +167,7 @@ def retrying(url: str, call: Callable[[], T], reset: Callable[[], None]) -> T:
             ``url``), or every attempt failed (names ``url``, the attempts, the last error).
         ConfigError: The item is malformed; never retried.
     """
-    policy, waited = DEFAULT_POLICY, 0.0
+    policy, waited = policy or DEFAULT_POLICY, 0.0
     for attempt in range(1, policy.attempts + 1):
         try:
             return call()

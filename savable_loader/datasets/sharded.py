@@ -50,6 +50,7 @@ from .elastic import ReshardPlan
 from .file_rest import Rest, ShardState, reshard_files
 from .files import Urls, expand_urls, storage_errors
 from .index_order import Even, epoch_length
+from .retry import RetryPolicy, retrying
 from .sample_split import SampleState, Spans, reshard_samples
 from .stage import Stage
 
@@ -77,6 +78,8 @@ class ShardedSource(Stage[T]):
             as many; ``"files"`` gives each stream whole files.
         even: With ``split="samples"``: ``"pad"`` repeats the first samples so that
             the ranks' shares are equal, ``"drop"`` leaves the last ones out.
+        retry: How reads are retried after transient storage errors (NOTE [ Retries ]
+            in ``retry.py``); None: ``retry.DEFAULT_POLICY``. Not part of ``config()``.
         storage_options: Passed to fsspec (credentials, endpoint...); not part of
             ``config()``.
 
@@ -100,6 +103,7 @@ class ShardedSource(Stage[T]):
         seed: int = 0,
         split: Split = "samples",
         even: Even = "pad",
+        retry: RetryPolicy | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         name = type(self).__name__
@@ -116,6 +120,9 @@ class ShardedSource(Stage[T]):
                 f'{name} even={even!r} applies to split="samples"; split="files" gives '
                 "whole files to streams and neither pads nor drops"
             )
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(f"{name} retry must be a RetryPolicy or None, got {retry!r}")
+        self.retry = retry
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"{name} storage_options must be a dict or None")
         self.storage_options: dict[str, Any] = dict(storage_options or {})
@@ -160,8 +167,11 @@ class ShardedSource(Stage[T]):
         if self._counts is None:
 
             def count(url: str) -> int:
-                with storage_errors(url), self.open(url) as file:
-                    return self.count_items(file, url)
+                def once() -> int:
+                    with storage_errors(url), self.open(url) as file:
+                        return self.count_items(file, url)
+
+                return retrying(url, once, lambda: None, self.retry)
 
             threads = min(_COUNTING_THREADS, len(self.urls))
             with ThreadPoolExecutor(threads, thread_name_prefix="count-samples") as pool:
