@@ -9,6 +9,22 @@ microseconds, mostly NumPy's ``get_state``); the conversion to bytes for a saved
 (:class:`~savable_loader.state.RngState`) happens only when a save asks for that
 checkpoint. CUDA generators are not captured: data pipelines run on the CPU.
 
+NOTE [ Untouched generators ]
+Most pipelines never draw from the global generators, and their states (about 10 KB of
+bytes per worker) would be most of a saved state. A worker's generators are seeded at
+each epoch's start from ``(seed, rank, worker id, epoch)`` (NOTE [ Generators per epoch ]
+in ``_runtime.py``), so while nothing has drawn from them since, a checkpoint can say
+"as seeded for epoch e" instead of holding the bytes, and a restore seeds them again.
+The runtime keeps the snapshot taken right after seeding (``seeded_epoch`` set) and, at
+each checkpoint, compares the fresh capture with it by :func:`same`: every word, position
+and cached Gaussian of all three generators (Python's 625 words and ``gauss_next``;
+NumPy's key, ``pos``, ``has_gauss`` and ``gauss``; torch's whole ``get_rng_state()``).
+Equal states give equal future draws whatever happened in between, so the marker is
+exact by construction, not by an argument about how unlikely a return to the seeded
+state is. The first difference ends the comparisons until the next seeding: from then
+on the checkpoints of that epoch hold bytes. The comparison costs a few microseconds on
+top of the capture the checkpoint takes anyway.
+
 NOTE [ Own generators ]
 Some pipelines read under generator states of their own rather than the process's: the
 whole pipeline without workers (NOTE [ No workers ] in ``_runtime.py``), a replay in the
@@ -38,7 +54,15 @@ import torch
 
 from .state.models import RngState
 
-__all__ = ["OwnGenerators", "RngSnapshot", "apply", "capture", "derive_seed", "seed_globals"]
+__all__ = [
+    "OwnGenerators",
+    "RngSnapshot",
+    "apply",
+    "capture",
+    "derive_seed",
+    "same",
+    "seed_globals",
+]
 
 _PY_STATE_VERSION = 3
 _MT_WORDS = 624
@@ -46,12 +70,17 @@ _MT_WORDS = 624
 
 @dataclass(frozen=True)
 class RngSnapshot:
-    """The three global generators' states, as the generators themselves return them."""
+    """The three global generators' states, as the generators themselves return them.
+
+    ``seeded_epoch`` is set on the snapshot taken right after the runtime seeded the
+    generators for that epoch (NOTE [ Untouched generators ]); None otherwise.
+    """
 
     python: bytes
     python_gauss: float | None
     numpy: tuple[Any, ...]
     torch: torch.Tensor
+    seeded_epoch: int | None = None
 
     def to_state(self) -> RngState:
         """Converts to the serialisable :class:`RngState` (plain bytes and numbers)."""
@@ -85,6 +114,24 @@ def capture() -> RngSnapshot:
         python_gauss=random._inst.gauss_next,  # type: ignore[attr-defined]
         numpy=_NUMPY.get(),
         torch=torch.get_rng_state(),
+    )
+
+
+def same(a: RngSnapshot, b: RngSnapshot) -> bool:
+    """Whether ``a`` and ``b`` hold the same states of all three generators: every word,
+    position and cached Gaussian (NOTE [ Untouched generators ]). Cheapest parts first."""
+    if a is b:
+        return True
+    _, a_key, a_pos, a_has, a_gauss = a.numpy
+    _, b_key, b_pos, b_has, b_gauss = b.numpy
+    return (
+        a.python == b.python
+        and a.python_gauss == b.python_gauss
+        and int(a_pos) == int(b_pos)
+        and int(a_has) == int(b_has)
+        and float(a_gauss) == float(b_gauss)
+        and torch.equal(a.torch, b.torch)
+        and np.array_equal(a_key, b_key)
     )
 
 
