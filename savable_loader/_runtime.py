@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import logging
 import os
 import time
@@ -223,7 +222,7 @@ class PipelineRuntime:
         self.replayed = 0
         #: NOTE [ Untouched generators ] in rng.py: the generators right after their
         #: seeding for an epoch, while nothing has drawn from them; else None.
-        self._seeded: rng.RngSnapshot | None = None
+        self._seeded: rng.Seeded | None = None
         self._first_epoch = True
         start = spec.starts[worker_id] if spec.starts else WorkerStart()
         self._start = start
@@ -249,7 +248,7 @@ class PipelineRuntime:
         elif checkpoint is not None and checkpoint.rng is None:
             self._mark_seeded(checkpoint.seeded_epoch or 0)
         if checkpoint is not None:
-            generators = self._seeded or checkpoint.rng
+            generators = self._seeded.snapshot if self._seeded is not None else checkpoint.rng
             if generators is not None:
                 self.ring.record(Entry(checkpoint.seq, checkpoint.state, generators))
         # The ring holds a checkpoint before the command server reports ready. The first
@@ -383,7 +382,7 @@ class PipelineRuntime:
         """Keeps the generators as just seeded for ``epoch`` (NOTE [ Untouched generators ]
         in ``rng.py``)."""
         snapshot = self.generators.snapshot if self.generators is not None else rng.capture()
-        self._seeded = dataclasses.replace(snapshot, seeded_epoch=epoch)
+        self._seeded = rng.Seeded(snapshot, epoch)
 
     def failure(self, error: Exception, *, starting: bool) -> Event:
         """The ERROR event for ``error`` (NOTE [ Pipeline errors ])."""
@@ -404,8 +403,8 @@ class PipelineRuntime:
         if seeded is not None:
             # NOTE [ Untouched generators ] in rng.py: the seeded snapshot stands for an
             # equal capture; the first draw ends the comparisons until the next seeding.
-            if rng.same(snapshot, seeded):
-                snapshot = seeded
+            if seeded.matches(snapshot):
+                snapshot = seeded.snapshot
             else:
                 self._seeded = None
         return Entry(self.seq, plain_copy(self.root.state()), snapshot)

@@ -16,7 +16,7 @@ each epoch's start from ``(seed, rank, worker id, epoch)`` (NOTE [ Generators pe
 in ``_runtime.py``), so while nothing has drawn from them since, a checkpoint can say
 "as seeded for epoch e" instead of holding the bytes, and a restore seeds them again.
 The runtime keeps the snapshot taken right after seeding (``seeded_epoch`` set) and, at
-each checkpoint, compares the fresh capture with it by :func:`same`: every word, position
+each checkpoint, compares the fresh capture with it (:class:`Seeded`): every word, position
 and cached Gaussian of all three generators (Python's 625 words and ``gauss_next``;
 NumPy's key, ``pos``, ``has_gauss`` and ``gauss``; torch's whole ``get_rng_state()``).
 Equal states give equal future draws whatever happened in between, so the marker is
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import dataclasses
 import random
 import sys
 from dataclasses import dataclass
@@ -57,10 +58,10 @@ from .state.models import RngState
 __all__ = [
     "OwnGenerators",
     "RngSnapshot",
+    "Seeded",
     "apply",
     "capture",
     "derive_seed",
-    "same",
     "seed_globals",
 ]
 
@@ -117,22 +118,37 @@ def capture() -> RngSnapshot:
     )
 
 
-def same(a: RngSnapshot, b: RngSnapshot) -> bool:
-    """Whether ``a`` and ``b`` hold the same states of all three generators: every word,
-    position and cached Gaussian (NOTE [ Untouched generators ]). Cheapest parts first."""
-    if a is b:
-        return True
-    _, a_key, a_pos, a_has, a_gauss = a.numpy
-    _, b_key, b_pos, b_has, b_gauss = b.numpy
-    return (
-        a.python == b.python
-        and a.python_gauss == b.python_gauss
-        and int(a_pos) == int(b_pos)
-        and int(a_has) == int(b_has)
-        and float(a_gauss) == float(b_gauss)
-        and torch.equal(a.torch, b.torch)
-        and np.array_equal(a_key, b_key)
-    )
+class Seeded:
+    """The generators right after the runtime seeded them for an epoch, kept to tell
+    whether a later capture is the same (NOTE [ Untouched generators ]).
+
+    Args:
+        snapshot: The capture taken right after the seeding.
+        epoch: The epoch they were seeded for.
+    """
+
+    __slots__ = ("_numpy_key", "_torch", "snapshot")
+
+    def __init__(self, snapshot: RngSnapshot, epoch: int) -> None:
+        self.snapshot = dataclasses.replace(snapshot, seeded_epoch=epoch)
+        self._numpy_key = np.ascontiguousarray(snapshot.numpy[1]).tobytes()
+        self._torch = snapshot.torch.numpy().tobytes()
+
+    def matches(self, other: RngSnapshot) -> bool:
+        """Whether ``other`` holds the same states of all three generators: every word,
+        position and cached Gaussian. The cheapest parts are compared first."""
+        seeded = self.snapshot
+        _, key, pos, has_gauss, gauss = other.numpy
+        _, _, seeded_pos, seeded_has_gauss, seeded_gauss = seeded.numpy
+        return (
+            other.python == seeded.python
+            and other.python_gauss == seeded.python_gauss
+            and int(pos) == int(seeded_pos)
+            and int(has_gauss) == int(seeded_has_gauss)
+            and float(gauss) == float(seeded_gauss)
+            and np.ascontiguousarray(key).tobytes() == self._numpy_key
+            and other.torch.numpy().tobytes() == self._torch
+        )
 
 
 def apply(snapshot: RngSnapshot) -> None:

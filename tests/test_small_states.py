@@ -4,6 +4,7 @@ generators ] in ``rng.py``)."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,14 @@ import pytest
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from savable_loader import SavableDataLoader, SavableDataset, StateFormatError, WorkerConfig
+from savable_loader import (
+    SavableDataLoader,
+    SavableDataset,
+    StateFormatError,
+    WorkerConfig,
+    save_state,
+)
+from savable_loader.cli import main
 from savable_loader.state.files import decode_state, encode_state
 from savable_loader.state.models import Checkpoint, RankState
 from savable_loader.testing import assert_resumes_exactly
@@ -210,3 +218,23 @@ def test_a_state_with_bytes_and_an_epoch_is_refused():
     checkpoint["rng"] = checkpoint["seeded_epoch"] = None
     with pytest.raises(StateFormatError, match="does not say what the worker's generators are"):
         RankState.from_plain(plain)
+
+
+def test_inspect_shows_which_workers_saved_generator_bytes(tmp_path, capsys):
+    path = tmp_path / "state.msgpack"
+    # Worker 0 reads batches 0, 2, 4 (items 0-1, 4-5, 8-9), worker 1 batches 1, 3, 5:
+    # from item 6 on every item draws, so after 3 batches only worker 1 has drawn.
+    with SavableDataLoader(
+        Draws(start=6), batch_size=BATCH, num_workers=2, worker_config=DENSE
+    ) as loader:
+        iterator = iter(loader)
+        for _ in range(4):
+            next(iterator)
+        save_state(loader.save_state_rank(), path)
+    assert main(["inspect", "--json", str(path)]) == 0
+    (rank,) = json.loads(capsys.readouterr().out)["ranks"]
+    assert rank["generators"] == ["seeded for epoch 0", "bytes"]
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "generators" in out
+    assert "seeded for epoch 0" in out
