@@ -231,25 +231,24 @@ class PipelineRuntime:
         self.seq = checkpoint.seq if checkpoint is not None else 0
         #: The loader epoch of the last epoch() call; the first call is spec.epoch.
         self._epoch = spec.epoch - 1
+        # NOTE [ Untouched generators ] in rng.py: the epoch the generators are seeded
+        # for here, or None when they come from the checkpoint's bytes or from torch.
+        seeded: int | None
+        if checkpoint is None:
+            seeded = 0 if self.torch_seeded is None else None
+        else:
+            seeded = checkpoint.seeded_epoch
         with self._scope():
-            if checkpoint is None:
-                self.root.restore(None)
-                if self.torch_seeded is None:
-                    rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, 0))
-            else:
-                self.root.restore(copy.deepcopy(checkpoint.state))
-                if checkpoint.rng is not None:
-                    rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
-                else:
-                    epoch = checkpoint.seeded_epoch or 0
-                    rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, epoch))
-        if checkpoint is None and self.torch_seeded is None:
-            self._mark_seeded(0)
-        elif checkpoint is not None and checkpoint.rng is None:
-            self._mark_seeded(checkpoint.seeded_epoch or 0)
+            self.root.restore(None if checkpoint is None else copy.deepcopy(checkpoint.state))
+            if seeded is not None:
+                rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, seeded))
+            elif checkpoint is not None and checkpoint.rng is not None:
+                rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
+        if seeded is not None:
+            self._mark_seeded(seeded)
         if checkpoint is not None:
             generators = self._seeded.snapshot if self._seeded is not None else checkpoint.rng
-            if generators is not None:
+            if generators is not None:  # one of the two: Checkpoint checks it
                 self.ring.record(Entry(checkpoint.seq, checkpoint.state, generators))
         # The ring holds a checkpoint before the command server reports ready. The first
         # capture runs cold (first calls, caches), so a second one measures the cost.
