@@ -30,7 +30,11 @@ changes nothing for its own states and gives states saved before this rule exist
 same next epoch as a run today. An epoch's draws therefore depend only on the layout and
 the epoch, not on what earlier epochs drew, so after a restore onto another layout (NOTE
 [ Elastic resume ] in ``datasets/elastic.py``) the next epochs draw exactly what a fresh
-run on that layout draws. Epoch 0 keeps the seed it always had.
+run on that layout draws. Epoch 0 keeps the seed it always had. Because the seeding is a
+function of the layout and the epoch, a checkpoint taken before anything drew from the
+generators records only the epoch they were seeded for, and a restore seeds them again
+(NOTE [ Untouched generators ] in ``rng.py``): a pipeline that never draws from them
+saves no generator bytes, and nobody has to declare it.
 
 NOTE [ Torch's worker seeds ]
 With the loader's ``generator=`` set, the workers' generators are seeded as torch seeds
@@ -39,7 +43,9 @@ worker ``w`` from it before ``worker_init_fn`` runs; the runtime keeps what it f
 start-up (torch's seeding and whatever ``worker_init_fn`` did) instead of seeding per
 epoch. Persistent workers are seeded once and their generators run on across epochs;
 otherwise the workers of every epoch are new and seeded anew (NOTE [ Epoch orders ] in
-``_sampling.py``). A restore puts back the checkpoint's generators as always.
+``_sampling.py``). A restore puts back the checkpoint's generators as always. Those
+seeds come from torch's base seed and the user's ``worker_init_fn``, which a restoring
+process cannot recompute, so these checkpoints always hold the generators' bytes.
 """
 
 from __future__ import annotations
@@ -214,6 +220,9 @@ class PipelineRuntime:
         #: The pipeline raised (NOTE [ Pipeline errors ]): its state is no checkpoint.
         self.failed = False
         self.replayed = 0
+        #: NOTE [ Untouched generators ] in rng.py: the generators right after their
+        #: seeding for an epoch, while nothing has drawn from them; else None.
+        self._seeded: rng.Seeded | None = None
         self._first_epoch = True
         start = spec.starts[worker_id] if spec.starts else WorkerStart()
         self._start = start
@@ -222,15 +231,25 @@ class PipelineRuntime:
         self.seq = checkpoint.seq if checkpoint is not None else 0
         #: The loader epoch of the last epoch() call; the first call is spec.epoch.
         self._epoch = spec.epoch - 1
+        # NOTE [ Untouched generators ] in rng.py: the epoch the generators are seeded
+        # for here, or None when they come from the checkpoint's bytes or from torch.
+        seeded: int | None
+        if checkpoint is None:
+            seeded = 0 if self.torch_seeded is None else None
+        else:
+            seeded = checkpoint.seeded_epoch
         with self._scope():
-            if checkpoint is None:
-                self.root.restore(None)
-                if self.torch_seeded is None:
-                    rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, 0))
-            else:
-                self.root.restore(copy.deepcopy(checkpoint.state))
+            self.root.restore(None if checkpoint is None else copy.deepcopy(checkpoint.state))
+            if seeded is not None:
+                rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, seeded))
+            elif checkpoint is not None and checkpoint.rng is not None:
                 rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
-                self.ring.record(Entry(checkpoint.seq, checkpoint.state, checkpoint.rng))
+        if seeded is not None:
+            self._mark_seeded(seeded)
+        if checkpoint is not None:
+            generators = self._seeded.snapshot if self._seeded is not None else checkpoint.rng
+            if generators is not None:  # one of the two: Checkpoint checks it
+                self.ring.record(Entry(checkpoint.seq, checkpoint.state, generators))
         # The ring holds a checkpoint before the command server reports ready. The first
         # capture runs cold (first calls, caches), so a second one measures the cost.
         self.ring.take(self._capture)
@@ -356,6 +375,13 @@ class PipelineRuntime:
             return
         with self._scope():
             rng.seed_globals(epoch_seed(self.spec.seed, self.spec.rank, self.worker_id, epoch))
+        self._mark_seeded(epoch)
+
+    def _mark_seeded(self, epoch: int) -> None:
+        """Keeps the generators as just seeded for ``epoch`` (NOTE [ Untouched generators ]
+        in ``rng.py``)."""
+        snapshot = self.generators.snapshot if self.generators is not None else rng.capture()
+        self._seeded = rng.Seeded(snapshot, epoch)
 
     def failure(self, error: Exception, *, starting: bool) -> Event:
         """The ERROR event for ``error`` (NOTE [ Pipeline errors ])."""
@@ -372,7 +398,26 @@ class PipelineRuntime:
 
     def _capture(self) -> Entry:
         snapshot = self.generators.snapshot if self.generators is not None else rng.capture()
+        seeded = self._seeded
+        if seeded is not None:
+            # NOTE [ Untouched generators ] in rng.py: the seeded snapshot stands for an
+            # equal capture; the first draw ends the comparisons until the next seeding.
+            if seeded.matches(snapshot):
+                snapshot = seeded.snapshot
+            else:
+                self._seeded = None
         return Entry(self.seq, plain_copy(self.root.state()), snapshot)
+
+    @staticmethod
+    def _checkpoint(entry: Entry) -> Checkpoint:
+        """The saved form of ``entry``: the generators' epoch when they are untouched
+        (NOTE [ Untouched generators ] in ``rng.py``), else their bytes."""
+        generators = entry.rng
+        if isinstance(generators, rng.RngSnapshot) and generators.seeded_epoch is not None:
+            return Checkpoint(
+                seq=entry.seq, state=entry.state, rng=None, seeded_epoch=generators.seeded_epoch
+            )
+        return entry.to_checkpoint()
 
     def checkpoint_for(self, delivered: int) -> Checkpoint:
         """Returns the newest checkpoint at or before sequence number ``delivered``.
@@ -388,7 +433,7 @@ class PipelineRuntime:
                 f"worker {self.worker_id} holds no checkpoint for position {delivered} "
                 f"(oldest kept: {oldest}, produced: {self.seq})"
             )
-        return entry.to_checkpoint()
+        return self._checkpoint(entry)
 
     def stats(self) -> dict[str, Any]:
         """Figures for benchmarks and debugging."""
@@ -401,7 +446,7 @@ class PipelineRuntime:
             "checkpoints_taken": self.ring.taken,
             "replayed": self.replayed,
             "checkpoint_bytes": (
-                len(msgpack.packb(ring[-1].to_checkpoint().model_dump(), use_bin_type=True))
+                len(msgpack.packb(self._checkpoint(ring[-1]).model_dump(), use_bin_type=True))
                 if ring
                 else 0
             ),

@@ -9,6 +9,22 @@ microseconds, mostly NumPy's ``get_state``); the conversion to bytes for a saved
 (:class:`~savable_loader.state.RngState`) happens only when a save asks for that
 checkpoint. CUDA generators are not captured: data pipelines run on the CPU.
 
+NOTE [ Untouched generators ]
+Most pipelines never draw from the global generators, and their states (about 10 KB of
+bytes per worker) would be most of a saved state. A worker's generators are seeded at
+each epoch's start from ``(seed, rank, worker id, epoch)`` (NOTE [ Generators per epoch ]
+in ``_runtime.py``), so while nothing has drawn from them since, a checkpoint can say
+"as seeded for epoch e" instead of holding the bytes, and a restore seeds them again.
+The runtime keeps the snapshot taken right after seeding (``seeded_epoch`` set) and, at
+each checkpoint, compares the fresh capture with it (:class:`Seeded`): every word, position
+and cached Gaussian of all three generators (Python's 625 words and ``gauss_next``;
+NumPy's key, ``pos``, ``has_gauss`` and ``gauss``; torch's whole ``get_rng_state()``).
+Equal states give equal future draws whatever happened in between, so the marker is
+exact by construction, not by an argument about how unlikely a return to the seeded
+state is. The first difference ends the comparisons until the next seeding: from then
+on the checkpoints of that epoch hold bytes. The comparison costs a few microseconds on
+top of the capture the checkpoint takes anyway.
+
 NOTE [ Own generators ]
 Some pipelines read under generator states of their own rather than the process's: the
 whole pipeline without workers (NOTE [ No workers ] in ``_runtime.py``), a replay in the
@@ -28,6 +44,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import dataclasses
 import random
 import sys
 from dataclasses import dataclass
@@ -38,7 +55,15 @@ import torch
 
 from .state.models import RngState
 
-__all__ = ["OwnGenerators", "RngSnapshot", "apply", "capture", "derive_seed", "seed_globals"]
+__all__ = [
+    "OwnGenerators",
+    "RngSnapshot",
+    "Seeded",
+    "apply",
+    "capture",
+    "derive_seed",
+    "seed_globals",
+]
 
 _PY_STATE_VERSION = 3
 _MT_WORDS = 624
@@ -46,12 +71,17 @@ _MT_WORDS = 624
 
 @dataclass(frozen=True)
 class RngSnapshot:
-    """The three global generators' states, as the generators themselves return them."""
+    """The three global generators' states, as the generators themselves return them.
+
+    ``seeded_epoch`` is set on the snapshot taken right after the runtime seeded the
+    generators for that epoch (NOTE [ Untouched generators ]); None otherwise.
+    """
 
     python: bytes
     python_gauss: float | None
     numpy: tuple[Any, ...]
     torch: torch.Tensor
+    seeded_epoch: int | None = None
 
     def to_state(self) -> RngState:
         """Converts to the serialisable :class:`RngState` (plain bytes and numbers)."""
@@ -86,6 +116,39 @@ def capture() -> RngSnapshot:
         numpy=_NUMPY.get(),
         torch=torch.get_rng_state(),
     )
+
+
+class Seeded:
+    """The generators right after the runtime seeded them for an epoch, kept to tell
+    whether a later capture is the same (NOTE [ Untouched generators ]).
+
+    Args:
+        snapshot: The capture taken right after the seeding.
+        epoch: The epoch they were seeded for.
+    """
+
+    __slots__ = ("_numpy_key", "_torch", "snapshot")
+
+    def __init__(self, snapshot: RngSnapshot, epoch: int) -> None:
+        self.snapshot = dataclasses.replace(snapshot, seeded_epoch=epoch)
+        self._numpy_key = np.ascontiguousarray(snapshot.numpy[1]).tobytes()
+        self._torch = snapshot.torch.numpy().tobytes()
+
+    def matches(self, other: RngSnapshot) -> bool:
+        """Whether ``other`` holds the same states of all three generators: every word,
+        position and cached Gaussian. The cheapest parts are compared first."""
+        seeded = self.snapshot
+        _, key, pos, has_gauss, gauss = other.numpy
+        _, _, seeded_pos, seeded_has_gauss, seeded_gauss = seeded.numpy
+        return (
+            other.python == seeded.python
+            and other.python_gauss == seeded.python_gauss
+            and int(pos) == int(seeded_pos)
+            and int(has_gauss) == int(seeded_has_gauss)
+            and float(gauss) == float(seeded_gauss)
+            and np.ascontiguousarray(key).tobytes() == self._numpy_key
+            and other.torch.numpy().tobytes() == self._torch
+        )
 
 
 def apply(snapshot: RngSnapshot) -> None:

@@ -1,4 +1,10 @@
-"""``savable-loader inspect URL``: a summary of what a state file holds, as text or JSON."""
+"""``savable-loader inspect URL``: a summary of what a state file holds, as text or JSON.
+
+Per worker it also says what the checkpoint keeps of the worker's global generators
+(``generators`` of a rank, one entry per worker): ``"bytes"`` (their states, about 10 KB),
+``"seeded for epoch E"`` (untouched since the loader seeded them for epoch E, NOTE
+[ Untouched generators ] in ``rng.py``) or None (no checkpoint).
+"""
 
 from __future__ import annotations
 
@@ -68,7 +74,18 @@ def _rank_summary(state: RankState) -> dict[str, Any]:
         "next_worker": state.next_worker,
         "order": _order_summary(state),
         "workers": [_worker_summary(worker) for worker in state.workers],
+        "generators": [_generators(worker) for worker in state.workers],
     }
+
+
+def _generators(worker: WorkerState) -> str | None:
+    """What the worker's checkpoint keeps of its global generators."""
+    checkpoint = worker.checkpoint
+    if checkpoint is None:
+        return None
+    if checkpoint.rng is not None:
+        return "bytes"
+    return f"seeded for epoch {checkpoint.seeded_epoch}"
 
 
 def _order_summary(state: RankState) -> dict[str, Any] | None:
@@ -175,7 +192,15 @@ def _render_rank(rank: dict[str, Any]) -> Iterator[str]:
             + (", the sampler's state_dict()" if order["sampler_state"] else "")
             + (f", sampler epoch {sampler_epoch}" if sampler_epoch is not None else "")
         )
-    header = ["worker", "delivered", "ended", "checkpoint seq", "replay", "exhausted"]
+    header = [
+        "worker",
+        "delivered",
+        "ended",
+        "checkpoint seq",
+        "replay",
+        "exhausted",
+        "generators",
+    ]
     rows = [
         [
             str(w["worker_id"]),
@@ -184,8 +209,9 @@ def _render_rank(rank: dict[str, Any]) -> Iterator[str]:
             "-" if w["checkpoint_seq"] is None else str(w["checkpoint_seq"]),
             str(w["replay"]),
             "-" if w["exhausted"] is None else _yes_no(w["exhausted"]),
+            "-" if generators is None else generators,
         ]
-        for w in rank["workers"]
+        for w, generators in zip(rank["workers"], rank["generators"], strict=True)
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     yield (

@@ -33,12 +33,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictBytes,
     StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 
@@ -147,14 +149,43 @@ class Checkpoint(_Model):
         state: The state of the worker's pipeline, batching included (its cursor tree's
             ``state()``, NOTE [ The cursor contract ] in ``datasets/cursor.py``), as plain
             data.
-        rng: The worker's global generators.
+        rng: The worker's global generators; None when ``seeded_epoch`` says what they are.
+        seeded_epoch: The generators are exactly as the loader seeds them for this epoch
+            (NOTE [ Generators per epoch ] in ``_runtime.py``): nothing had drawn from
+            them since, and a restore seeds them again instead of reading bytes (NOTE
+            [ Untouched generators ] in ``rng.py``). None when ``rng`` holds the bytes;
+            left out of the plain data then, so such a state reads as it always did.
+
+    Exactly one of ``rng`` and ``seeded_epoch`` is set.
     """
 
     seq: NonNegative
     state: Annotated[
         Any, AfterValidator(_plain("the pipeline state")), AfterValidator(_generators_inside)
     ]
-    rng: RngState
+    rng: RngState | None
+    seeded_epoch: NonNegative | None = None
+
+    @model_validator(mode="after")
+    def _generators_once(self) -> Checkpoint:
+        if self.rng is None and self.seeded_epoch is None:
+            raise ValueError(
+                "rng is None and seeded_epoch is not given: the checkpoint does not say "
+                "what the worker's generators are"
+            )
+        if self.rng is not None and self.seeded_epoch is not None:
+            raise ValueError(
+                f"rng holds generator bytes and seeded_epoch is {self.seeded_epoch}: "
+                "a checkpoint holds one of them"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_epoch(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.seeded_epoch is None:
+            data.pop("seeded_epoch", None)
+        return data
 
 
 class OrderSnapshot(_Model):

@@ -1,0 +1,240 @@
+"""Small states (issue 16): a pipeline that never draws from the global generators saves
+no generator bytes, and every pipeline still resumes exactly (NOTE [ Untouched
+generators ] in ``rng.py``)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from savable_loader import (
+    SavableDataLoader,
+    SavableDataset,
+    StateFormatError,
+    WorkerConfig,
+    save_state,
+)
+from savable_loader.cli import main
+from savable_loader.state.files import decode_state, encode_state
+from savable_loader.state.models import Checkpoint, RankState
+from savable_loader.testing import assert_resumes_exactly
+
+N, BATCH = 20, 2
+DENSE = WorkerConfig(checkpoint_share=1.0)
+#: The issue's bound on a plain dataset's per-worker state.
+SMALL = 2048
+
+
+class Plain(Dataset[torch.Tensor]):
+    """A map-style dataset that never draws."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index])
+
+
+class Draws(Plain):
+    """Draws from torch's global generator for every item at or past ``start``."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.start = start
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index < self.start:
+            return torch.tensor([float(index)])
+        return torch.rand(1) + index
+
+
+class SomeEpochs(SavableDataset[dict[str, Any]]):
+    """Counts 0..n-1 sharded by worker; draws from all three global generators only in
+    odd epochs and only from position ``start`` on."""
+
+    def __init__(self, n: int = N, start: int = 5) -> None:
+        self.n, self.start = n, start
+        self.pos = self.epoch = 0
+
+    def config(self) -> dict[str, Any]:
+        return {"type": "SomeEpochs", "n": self.n, "start": self.start}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        while self.pos < self.n:
+            index = self.pos
+            self.pos += 1
+            if index % workers != worker:
+                continue
+            item: dict[str, Any] = {"index": index, "epoch": self.epoch}
+            if self.epoch % 2 == 1 and index >= self.start:
+                item["py"] = random.random()
+                item["np"] = float(np.random.rand())
+                item["torch"] = torch.rand(2)
+            yield item
+        self.pos = 0
+        self.epoch += 1
+
+    def save_state(self) -> dict[str, int]:
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def restore_state(self, state: Any) -> None:
+        state = state or {"pos": 0, "epoch": 0}
+        self.pos, self.epoch = state["pos"], state["epoch"]
+
+
+def _worker_sizes(state: RankState) -> list[int]:
+    return [len(msgpack.packb(w.model_dump(), use_bin_type=True)) for w in state.workers]
+
+
+def _checkpoints(state: RankState) -> list[Checkpoint]:
+    return [w.checkpoint for w in state.workers if w.checkpoint is not None]
+
+
+def _states_along(loader: SavableDataLoader, epochs: int) -> list[RankState]:
+    """A state after every item of ``epochs`` epochs, each through a state file."""
+    states = []
+    for _ in range(epochs):
+        for _item in loader:
+            states.append(decode_state(encode_state(loader.save_state_rank())))
+        states.append(decode_state(encode_state(loader.save_state_rank())))
+    return [state for state in states if isinstance(state, RankState)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_plain_dataset_saves_no_generator_bytes(num_workers):
+    with SavableDataLoader(
+        Plain(), batch_size=BATCH, num_workers=num_workers, shuffle=True, worker_config=DENSE
+    ) as loader:
+        states = _states_along(loader, epochs=3)
+    assert len(states) == 3 * (N // BATCH + 1)
+    for state in states:
+        for checkpoint in _checkpoints(state):
+            assert checkpoint.rng is None
+            assert checkpoint.seeded_epoch is not None
+        assert max(_worker_sizes(state)) < SMALL, _worker_sizes(state)
+    assert {c.seeded_epoch for c in _checkpoints(states[-1])} == {3}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_plain_dataset_resumes_exactly_in_later_epochs(num_workers):
+    def build() -> SavableDataLoader:
+        return SavableDataLoader(Plain(), batch_size=BATCH, num_workers=num_workers, shuffle=True)
+
+    with build() as loader:
+        iterator = iter(loader)
+        next(iterator)
+        assert all(c.rng is None for c in _checkpoints(loader.save_state_rank()))
+    report = assert_resumes_exactly(build, epochs=3, num_points=6, last_items=True)
+    assert len(report.items_per_epoch) == 3
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pipeline_that_draws_saves_bytes_and_resumes_exactly(num_workers):
+    with SavableDataLoader(
+        Draws(), batch_size=BATCH, num_workers=num_workers, worker_config=DENSE
+    ) as loader:
+        iterator = iter(loader)
+        for _ in range(4):
+            next(iterator)
+        state = loader.save_state_rank()
+    assert all(c.rng is not None and c.seeded_epoch is None for c in _checkpoints(state))
+
+    def build() -> SavableDataLoader:
+        return SavableDataLoader(Draws(), batch_size=BATCH, num_workers=num_workers)
+
+    assert_resumes_exactly(build, epochs=2, num_points=6, last_items=True)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_draws_after_some_items_resume_exactly_at_every_point(num_workers):
+    def build() -> SavableDataLoader:
+        return SavableDataLoader(
+            Draws(start=8), batch_size=BATCH, num_workers=num_workers, worker_config=DENSE
+        )
+
+    with build() as loader:
+        states = _states_along(loader, epochs=2)
+    kinds = [all(c.rng is None for c in _checkpoints(s)) for s in states]
+    assert kinds[0], "no draw before item 8: the first checkpoints hold no bytes"
+    assert not all(kinds), "draws from item 8 on: later checkpoints hold bytes"
+    total = 2 * (N // BATCH)
+    assert_resumes_exactly(build, epochs=2, points=range(total + 1), chain_items=(2,))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_draws_in_some_epochs_resume_exactly_at_every_point(num_workers):
+    def build() -> SavableDataLoader:
+        return SavableDataLoader(
+            SomeEpochs(), batch_size=BATCH, num_workers=num_workers, worker_config=DENSE
+        )
+
+    with build() as loader:
+        states = _states_along(loader, epochs=3)
+    byte_free = [all(c.rng is None for c in _checkpoints(s)) for s in states]
+    per_epoch = len(states) // 3
+    assert all(byte_free[:per_epoch]), "epoch 0 never draws"
+    assert not all(byte_free[per_epoch : 2 * per_epoch]), "epoch 1 draws"
+    assert byte_free[-1], "a state between epochs stands at the next epoch's seeding"
+    total = 3 * (N // BATCH)
+    assert_resumes_exactly(build, epochs=3, points=range(0, total + 1, 2), chain_items=(3,))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_with_a_generator_the_stream_resumes_exactly(num_workers):
+    def build(dataset: Any) -> Any:
+        return lambda: SavableDataLoader(
+            dataset(),
+            batch_size=BATCH,
+            num_workers=num_workers,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5),
+        )
+
+    assert_resumes_exactly(build(Plain), epochs=3, num_points=6, last_items=True)
+    if num_workers == 0:
+        # With workers, a drawing pipeline under generator= fails now and then at the
+        # start of epoch 1 on main as well: a separate issue, not the generators' marker.
+        assert_resumes_exactly(build(lambda: Draws(start=8)), epochs=2, num_points=6)
+
+
+def test_a_state_with_bytes_and_an_epoch_is_refused():
+    with SavableDataLoader(Draws(), batch_size=BATCH, num_workers=0) as loader:
+        next(iter(loader))
+        plain = loader.save_state_rank().to_plain()
+    checkpoint = plain["workers"][0]["checkpoint"]
+    assert "seeded_epoch" not in checkpoint, "a state with bytes reads as it always did"
+    checkpoint["seeded_epoch"] = 0
+    with pytest.raises(StateFormatError, match="a checkpoint holds one of them"):
+        RankState.from_plain(plain)
+    checkpoint["rng"] = checkpoint["seeded_epoch"] = None
+    with pytest.raises(StateFormatError, match="does not say what the worker's generators are"):
+        RankState.from_plain(plain)
+
+
+def test_inspect_shows_which_workers_saved_generator_bytes(tmp_path, capsys):
+    path = tmp_path / "state.msgpack"
+    # Worker 0 reads batches 0, 2, 4 (items 0-1, 4-5, 8-9), worker 1 batches 1, 3, 5:
+    # from item 6 on every item draws, so after 3 batches only worker 1 has drawn.
+    with SavableDataLoader(
+        Draws(start=6), batch_size=BATCH, num_workers=2, worker_config=DENSE
+    ) as loader:
+        iterator = iter(loader)
+        for _ in range(4):
+            next(iterator)
+        save_state(loader.save_state_rank(), path)
+    assert main(["inspect", "--json", str(path)]) == 0
+    (rank,) = json.loads(capsys.readouterr().out)["ranks"]
+    assert rank["generators"] == ["seeded for epoch 0", "bytes"]
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "generators" in out
+    assert "seeded for epoch 0" in out
