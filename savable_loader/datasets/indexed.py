@@ -273,7 +273,7 @@ class IndexedCursor(Cursor[T]):
         pos = self.pos
         stop = min(pos + n, self.shard_length)
         data = self.stage.data
-        items = [data[index] for index in self.indices(pos, stop).tolist()]
+        items = [data[index] for index in self._cached(pos, stop)]
         self.pos = stop
         if stop - pos < n:
             self.end_epoch()
@@ -334,11 +334,25 @@ class IndexedCursor(Cursor[T]):
     def index(self, pos: int) -> int:
         """The dataset index at position ``pos`` of this worker's shard in this epoch."""
         start = pos - pos % _BLOCK
+        return int(self._block_at(start)[pos - start])
+
+    def _block_at(self, start: int) -> np.ndarray:
+        """The indices of the block of ``_BLOCK`` positions from ``start``, computed once."""
         epoch, first, indices = self._block
         if epoch != self.epoch or first != start:
             indices = self.indices(start, min(start + _BLOCK, self.shard_length))
             self._block = (self.epoch, start, indices)
-        return int(indices[pos - start])
+        return indices
+
+    def _cached(self, pos: int, stop: int) -> list[int]:
+        """The indices at positions ``[pos, stop)``, through the block of each."""
+        out: list[int] = []
+        while pos < stop:
+            start = pos - pos % _BLOCK
+            end = min(stop, start + _BLOCK)
+            out += self._block_at(start)[pos - start : end - start].tolist()
+            pos = end
+        return out
 
     def indices(self, start: int, stop: int) -> np.ndarray:
         """The dataset indices at positions ``[start, stop)`` of this worker's shard in
