@@ -53,7 +53,7 @@ def _order(n: int, epoch: int) -> list[int]:
     cursor = IndexedDataset(list(range(n)), shuffle=True, seed=SEED).cursor(
         WorkerContext(0, 1, 0, 0, SEED, None)
     )
-    cursor.restore({"epoch": epoch, "pos": 0})
+    cursor.restore({"epoch": epoch, "pos": 0, "order": 2})
     return list(cursor)
 
 

@@ -32,6 +32,17 @@ GOLDEN = Path(__file__).parent / "golden"
 EPOCHS = 3
 
 
+@pytest.fixture(autouse=True)
+def stored_orders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The goldens were saved before computed orders (NOTE [ Computed epoch orders ] in
+    ``datasets/permutation.py``): their states restore with the stored permutations
+    they were saved with, and the uninterrupted runs they are compared with are fresh
+    runs of that version, which drew those permutations too."""
+    from savable_loader.datasets import indexed_rest
+
+    monkeypatch.setattr(indexed_rest, "FRESH_ORDER", 1)
+
+
 def _make_golden() -> ModuleType:
     spec = importlib.util.spec_from_file_location("make_golden", GOLDEN / "make_golden.py")
     assert spec is not None

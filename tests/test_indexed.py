@@ -64,7 +64,7 @@ def test_shards_cover_the_padded_or_cut_epoch_and_ranks_read_as_many(
 def test_iteration_ends_the_epoch_and_moves_to_the_next():
     shard = _shard(list(range(5)), 0, 1, 0, 0, None, shuffle=True, seed=1)
     first = list(shard)
-    assert shard.state() == {"epoch": 1, "pos": 0}
+    assert shard.state() == {"epoch": 1, "pos": 0, "order": 2}
     second = list(shard)
     assert sorted(first) == sorted(second) == list(range(5))
     assert first != second or len(first) < 2

@@ -105,9 +105,9 @@ def test_limit_yields_the_first_n_of_each_source_epoch() -> None:
     source = _epochs(_indexed(10), 3)
     cursor = _indexed(10).limit(3).cursor(CONTEXT)
     assert [list(cursor) for _ in range(3)] == [epoch[:3] for epoch in source]
-    assert cursor.state() == {"parent": {"epoch": 3, "pos": 0}, "count": 0}
+    assert cursor.state() == {"parent": {"epoch": 3, "pos": 0, "order": 2}, "count": 0}
     next(cursor)
-    assert cursor.state() == {"parent": {"epoch": 3, "pos": 1}, "count": 1}
+    assert cursor.state() == {"parent": {"epoch": 3, "pos": 1, "order": 2}, "count": 1}
 
 
 def test_limit_ends_with_a_shorter_source_epoch() -> None:
@@ -124,10 +124,10 @@ def test_repeat_joins_source_epochs() -> None:
     source = _epochs(_indexed(4), 6)
     cursor = _indexed(4).repeat(3).cursor(CONTEXT)
     assert [list(cursor) for _ in range(2)] == [_flat(source[0:3]), _flat(source[3:6])]
-    assert cursor.state() == {"parent": {"epoch": 6, "pos": 0}, "passes": 0}
+    assert cursor.state() == {"parent": {"epoch": 6, "pos": 0, "order": 2}, "passes": 0}
     for _ in range(5):
         next(cursor)
-    assert cursor.state() == {"parent": {"epoch": 7, "pos": 1}, "passes": 1}
+    assert cursor.state() == {"parent": {"epoch": 7, "pos": 1, "order": 2}, "passes": 1}
 
 
 def test_endless_repeat_cut_by_limit_continues_one_stream() -> None:
@@ -149,17 +149,17 @@ def test_end_epoch_drops_the_rest() -> None:
     limit = _indexed(6).limit(4).cursor(CONTEXT)
     next(limit)
     limit.end_epoch()
-    assert limit.state() == {"parent": {"epoch": 1, "pos": 0}, "count": 0}
+    assert limit.state() == {"parent": {"epoch": 1, "pos": 0, "order": 2}, "count": 0}
     repeat = _indexed(6).repeat(3).cursor(CONTEXT)
     for _ in range(8):
         next(repeat)
     repeat.end_epoch()
-    assert repeat.state() == {"parent": {"epoch": 2, "pos": 0}, "passes": 0}
+    assert repeat.state() == {"parent": {"epoch": 2, "pos": 0, "order": 2}, "passes": 0}
     endless = _indexed(6).repeat().cursor(CONTEXT)
     for _ in range(8):
         next(endless)
     endless.end_epoch()
-    assert endless.state() == {"parent": {"epoch": 1, "pos": 2}, "passes": 0}
+    assert endless.state() == {"parent": {"epoch": 1, "pos": 2, "order": 2}, "passes": 0}
 
 
 # -- skip equals reading -----------------------------------------------------------------
@@ -268,7 +268,7 @@ def test_endless_repeat_of_an_empty_epoch_raises(stage: Stage[Any]) -> None:
 
 def test_endless_repeat_of_an_empty_epoch_raises_after_a_restore() -> None:
     cursor = _indexed(0).repeat().cursor(CONTEXT)
-    cursor.restore({"parent": {"epoch": 4, "pos": 0}, "passes": 2})
+    cursor.restore({"parent": {"epoch": 4, "pos": 0, "order": 2}, "passes": 2})
     with pytest.raises(ConfigError, match="rank 0 worker 0"):
         next(cursor)
 
@@ -292,17 +292,29 @@ def test_repeat_refuses_bad_times(times: object) -> None:
 @pytest.mark.parametrize(
     ("stage", "state", "match"),
     [
-        (_indexed(3).limit(2), {"parent": {"epoch": 0, "pos": 0}, "count": 3}, "exceeds n=2"),
         (
             _indexed(3).limit(2),
-            {"parent": {"epoch": 0, "pos": 0}},
+            {"parent": {"epoch": 0, "pos": 0, "order": 2}, "count": 3},
+            "exceeds n=2",
+        ),
+        (
+            _indexed(3).limit(2),
+            {"parent": {"epoch": 0, "pos": 0, "order": 2}},
             r"Limit: malformed state \(count",
         ),
-        (_indexed(3).limit(2), {"parent": {"epoch": 0, "pos": 0}, "count": -1}, "malformed"),
-        (_indexed(3).repeat(2), {"parent": {"epoch": 0, "pos": 0}, "passes": 2}, "not below"),
+        (
+            _indexed(3).limit(2),
+            {"parent": {"epoch": 0, "pos": 0, "order": 2}, "count": -1},
+            "malformed",
+        ),
+        (
+            _indexed(3).repeat(2),
+            {"parent": {"epoch": 0, "pos": 0, "order": 2}, "passes": 2},
+            "not below",
+        ),
         (
             _indexed(3).repeat(),
-            {"parent": {"epoch": 0, "pos": 0}, "passes": "1"},
+            {"parent": {"epoch": 0, "pos": 0, "order": 2}, "passes": "1"},
             "Repeat: malformed",
         ),
     ],

@@ -72,7 +72,7 @@ def test_map_and_filter_add_nothing_to_the_state() -> None:
     next(cursor)
     assert set(cursor.state()) == {"parent"}
     assert set(cursor.state()["parent"]) == {"parent"}
-    assert set(cursor.state()["parent"]["parent"]) == {"epoch", "pos"}
+    assert set(cursor.state()["parent"]["parent"]) == {"epoch", "pos", "order"}
 
 
 def test_epochs_move_on_and_end_epoch_drops_the_rest() -> None:

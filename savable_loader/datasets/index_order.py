@@ -14,6 +14,7 @@ __all__ = [
     "Even",
     "epoch_length",
     "global_position",
+    "nth_remaining",
     "rank_batches",
     "remaining_positions",
     "shard_length",
@@ -76,3 +77,15 @@ def remaining_positions(length: int, below: int, done: np.ndarray) -> np.ndarray
     open_ = np.ones(length - below, dtype=bool)
     open_[done - below] = False
     return np.flatnonzero(open_) + below
+
+
+def nth_remaining(k: np.ndarray, below: int, done: np.ndarray) -> np.ndarray:
+    """The ``k``-th positions (element-wise, from 0) of an epoch's positions not consumed:
+    those from ``below`` on that ``done`` (ascending, above ``below``) does not hold.
+
+    O(log len(done)) per position, in no memory beyond ``done``: the ``i``-th consumed
+    position has ``done[i] - below - i`` open positions before it, so the ``k``-th open
+    one lies past as many consumed ones as those counts at most ``k``.
+    """
+    before = done - below - np.arange(len(done), dtype=np.int64)
+    return below + k + np.searchsorted(before, k, side="right")

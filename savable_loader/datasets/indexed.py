@@ -1,9 +1,11 @@
 """A savable source over any map-style dataset (``__getitem__`` + ``__len__``).
 
 NOTE [ Indexed order and sharding ]
-Epoch ``e`` visits the indices in the order ``perm_e`` (a permutation drawn from
-``(seed, e)`` when ``shuffle`` is set, else ``0..n-1``), read cyclically: position ``p``
-of the epoch is index ``perm_e[p % n]``. On ``R`` ranks a fresh epoch has
+Epoch ``e`` visits the indices in the order ``perm_e`` (with ``shuffle``, a bijection of
+``0..n-1`` keyed by ``(seed, e)`` and computed position by position, NOTE [ Computed
+epoch orders ] in ``permutation.py``; else ``0..n-1``), read cyclically: position ``p``
+of the epoch is index ``perm_e[p % n]``. A state saved before computed orders (no
+``"order": 2``) keeps NumPy's stored permutation of ``(seed, e)`` for its run. On ``R`` ranks a fresh epoch has
 ``ceil(n/R)*R`` positions with ``even="pad"`` (the first indices come again at the end,
 as ``DistributedSampler`` repeats the start of its list) and ``floor(n/R)*R`` with
 ``even="drop"`` (the tail is left out), so every rank reads as many items; with one rank
@@ -46,26 +48,28 @@ saved it read; the states saved in the rest of that epoch keep not naming it.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
-from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import derive_seed
 from ..state.names import qualified_name
-from .cursor import Cursor, StageState, validate_state
+from . import indexed_rest
+from .cursor import Cursor
 from .elastic import ReshardPlan
 from .index_order import (
     Even,
     epoch_length,
     global_position,
+    nth_remaining,
     rank_batches,
-    remaining_positions,
     shard_length,
 )
+from .indexed_rest import IndexedState as _State
+from .indexed_rest import check_length, parse_done, reshard_indexed
+from .permutation import KeyedPermutation
 from .stage import Stage
 
 __all__ = ["Even", "IndexedDataset"]
@@ -74,34 +78,13 @@ T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 _PERMUTATION_PURPOSE = 0x1D
+#: Positions whose indices a cursor computes at once (NOTE [ Computed epoch orders ]).
+_BLOCK = 1024
 
 
 class MapStyle(Protocol[T_co]):
     def __getitem__(self, index: int, /) -> T_co: ...
     def __len__(self) -> int: ...
-
-
-class _State(StageState):
-    """An indexed source's position."""
-
-    epoch: int = Field(ge=0, description="The epoch being read.")
-    pos: int = Field(ge=0, description="Items of this worker's shard already read in it.")
-    done_below: int | None = Field(
-        default=None,
-        ge=0,
-        description="After an elastic restore: every position of the epoch below this one "
-        "was consumed before it (NOTE [ Elastic indexed order ]).",
-    )
-    done: list[int] | None = Field(
-        default=None, description="After an elastic restore: consumed positions above done_below."
-    )
-    length: int | None = Field(
-        default=None,
-        ge=0,
-        description="Positions of the epoch, consumed or not, when they are not the "
-        "dataset's length: padded or cut for the ranks, or after an elastic restore "
-        "(NOTE [ Elastic indexed order ]).",
-    )
 
 
 class IndexedDataset(Stage[T]):
@@ -253,7 +236,10 @@ class IndexedCursor(Cursor[T]):
         #: ``self.epoch`` only.
         self.done: tuple[int, np.ndarray] | None = None
         self._full_length = shard_length(self.fresh_length, context)
-        self._order: tuple[int, np.ndarray | None] = (-1, None)
+        #: 2: computed orders; 1: the stored permutation of a state saved before them.
+        self.order = indexed_rest.FRESH_ORDER
+        self._order: tuple[int, int, Any] = (-1, 0, None)  # (epoch, order, perm)
+        self._block: tuple[int, int, np.ndarray] = (-1, -1, np.empty(0, dtype=np.int64))
 
     def _named(self, length: int) -> int | None:
         return None if length == len(self.stage.data) else length
@@ -271,14 +257,15 @@ class IndexedCursor(Cursor[T]):
         """Items of this worker's shard in the current epoch."""
         if self.done is None:
             return self._full_length
-        return len(self._indices())
+        below, done = self.done
+        return shard_length(self.epoch_positions - below - len(done), self.context)
 
     def __next__(self) -> T:
         pos = self.pos
         if pos >= self.shard_length:
             self.end_epoch()
             raise StopIteration
-        index = int(self._indices()[pos])
+        index = self.index(pos)
         self.pos = pos + 1
         return self.stage.data[index]
 
@@ -286,7 +273,7 @@ class IndexedCursor(Cursor[T]):
         pos = self.pos
         stop = min(pos + n, self.shard_length)
         data = self.stage.data
-        items = [data[index] for index in self._indices()[pos:stop].tolist()]
+        items = [data[index] for index in self._cached(pos, stop)]
         self.pos = stop
         if stop - pos < n:
             self.end_epoch()
@@ -294,6 +281,8 @@ class IndexedCursor(Cursor[T]):
 
     def own_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"epoch": self.epoch, "pos": self.pos}
+        if self.order == 2 and self.stage.shuffled:  # NOTE [ Computed epoch orders ]
+            state["order"] = 2
         if self.done is not None:
             below, done = self.done
             state.update(done_below=below, done=done.tolist())
@@ -304,12 +293,14 @@ class IndexedCursor(Cursor[T]):
     def restore_own(self, state: Any | None) -> None:
         position = state if isinstance(state, _State) else _State(epoch=0, pos=0)
         self.epoch, self.pos = position.epoch, position.pos
-        self.done = _done(position)
+        self.done = parse_done(position)
         # The initial state is a fresh epoch; a saved one names its length or not.
         self.length = position.length if state is not None else self._named(self.fresh_length)
-        self._order = (-1, None)
+        self.order = indexed_rest.FRESH_ORDER if state is None else (position.order or 1)
+        self._order = (-1, 0, None)
+        self._block = (-1, -1, np.empty(0, dtype=np.int64))
         length = self.epoch_positions
-        _check_length(position, length, len(self.stage.data))
+        check_length(position, length, len(self.stage.data))
         if self.done is None and length != self.fresh_length:
             raise StateError(
                 f"IndexedDataset: the state's epoch has {length} positions, this "
@@ -342,153 +333,51 @@ class IndexedCursor(Cursor[T]):
 
     def index(self, pos: int) -> int:
         """The dataset index at position ``pos`` of this worker's shard in this epoch."""
-        return int(self._indices()[pos])
+        start = pos - pos % _BLOCK
+        return int(self._block_at(start)[pos - start])
 
-    def _indices(self) -> np.ndarray:
-        """This worker's dataset indices for the current epoch, computed once per epoch
-        (one array operation instead of arithmetic per item)."""
-        epoch, indices = self._order
-        if epoch != self.epoch or indices is None:
-            items = len(self.stage.data)
-            if self.done is None:
-                positions = global_position(np.arange(self._full_length), self.context)
-            else:
-                remaining = remaining_positions(self.epoch_positions, *self.done)
-                count = shard_length(len(remaining), self.context)
-                positions = remaining[global_position(np.arange(count), self.context)]
-            positions = positions.astype(np.int64) % max(items, 1)
-            if self.stage.shuffled:
-                seed = derive_seed(self.stage.seed, _PERMUTATION_PURPOSE, self.epoch)
-                positions = np.random.default_rng(seed).permutation(items)[positions]
-            indices = positions
-            self._order = (self.epoch, indices)
+    def _block_at(self, start: int) -> np.ndarray:
+        """The indices of the block of ``_BLOCK`` positions from ``start``, computed once."""
+        epoch, first, indices = self._block
+        if epoch != self.epoch or first != start:
+            indices = self.indices(start, min(start + _BLOCK, self.shard_length))
+            self._block = (self.epoch, start, indices)
         return indices
 
+    def _cached(self, pos: int, stop: int) -> list[int]:
+        """The indices at positions ``[pos, stop)``, through the block of each."""
+        out: list[int] = []
+        while pos < stop:
+            start = pos - pos % _BLOCK
+            end = min(stop, start + _BLOCK)
+            out += self._block_at(start)[pos - start : end - start].tolist()
+            pos = end
+        return out
 
-def _parse(state: Any) -> _State:
-    return validate_state(_State, state, "IndexedDataset")
+    def indices(self, start: int, stop: int) -> np.ndarray:
+        """The dataset indices at positions ``[start, stop)`` of this worker's shard in
+        this epoch, computed (NOTE [ Computed epoch orders ] in ``permutation.py``)."""
+        items = len(self.stage.data)
+        positions = global_position(np.arange(start, stop, dtype=np.int64), self.context)
+        if self.done is not None:
+            below, done = self.done
+            positions = nth_remaining(positions, below, done)
+        positions = np.asarray(positions, dtype=np.int64) % max(items, 1)
+        if not self.stage.shuffled:
+            return positions
+        indices: np.ndarray = self._permutation(items)(positions)
+        return indices
 
-
-def _done(position: _State) -> tuple[int, np.ndarray] | None:
-    """The ``(done_below, done)`` a state records (NOTE [ Elastic indexed order ])."""
-    if position.done_below is None and position.done is None:
-        return None
-    if position.done_below is None or position.done is None:
-        raise StateError(
-            "IndexedDataset: malformed state (done_below and done come together); restore "
-            "a state saved by the same pipeline"
-        )
-    return position.done_below, np.asarray(position.done, dtype=np.int64)
-
-
-def _check_length(position: _State, length: int, items: int) -> None:
-    """Refuses consumed positions outside an epoch of ``length`` positions."""
-    below, done = position.done_below or 0, position.done or []
-    if (
-        (items == 0 and length > 0)
-        or below > length
-        or (done and (done[0] <= below or done[-1] >= length))
-        or bool(np.any(np.diff(np.asarray(done, dtype=np.int64)) <= 0))
-    ):
-        raise StateError(
-            f"IndexedDataset: malformed state (done_below {below} and done must be ascending "
-            f"positions of an epoch of {length} positions of {items} items); restore a "
-            "state saved by the same pipeline"
-        )
-
-
-def _old_rest(position: _State, items: int) -> tuple[int, int, tuple[int, ...]]:
-    """``(length, done_below, done)`` of a saved stream's epoch: a state without
-    ``length`` was read over the dataset's length by the version that saved it."""
-    length = items if position.length is None else position.length
-    _check_length(position, length, items)
-    return length, position.done_below or 0, tuple(position.done or ())
-
-
-#: The last reshard's (stage config, epoch, old streams, new world size) and answer: every
-#: new stream of one restore gets the same answer, which costs O(length) to compute.
-_last_reshard: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-
-def reshard_indexed(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, Any]:
-    """The state of ``plan.new``'s stream (NOTE [ Elastic indexed order ]).
-
-    The answer depends on the epoch's length, ``even``, the old streams and the new
-    number of ranks only, not on the new stream, so the last one is kept for the other
-    new streams of the same restore.
-    """
-    key = (len(stage.data), stage.even, plan.epoch, plan.old, plan.new.world_size)
-    if _last_reshard and _last_reshard[0][0] == key:
-        return copy.deepcopy(_last_reshard[0][1])
-    answer = _reshard(stage, plan)
-    _last_reshard[:] = [(key, copy.deepcopy(answer))]
-    return answer
-
-
-def _reshard(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, Any]:
-    items = len(stage.data)
-    finished: list[WorkerContext] = []
-    reading: list[tuple[WorkerContext, int]] = []
-    records: set[tuple[int, int, tuple[int, ...]]] = set()
-    for stream in plan.old:
-        position = _State(epoch=0, pos=0) if stream.state is None else _parse(stream.state)
-        if position.epoch == plan.epoch + 1 and position.pos == 0 and position.done is None:
-            finished.append(stream.context)
-            continue
-        if position.epoch != plan.epoch:
-            raise StateError(
-                f"IndexedDataset: a saved stream stands in epoch {position.epoch} while the "
-                f"loader resumes epoch {plan.epoch}; restore a state saved by the same pipeline"
-            )
-        _done(position)
-        records.add(_old_rest(position, items))
-        reading.append((stream.context, position.pos))
-    if len(records) > 1:
-        raise StateError(
-            "IndexedDataset: the saved streams disagree on the positions of the epoch or on "
-            "what was consumed before their own restore; restore the states of one save "
-            "together"
-        )
-    if not reading:
-        # Every stream finished the epoch: nothing of it is left.
-        return {"epoch": plan.epoch, "pos": 0, "done_below": 0, "done": [], "length": 0}
-    (length, below, done), *_ = records
-    remaining = remaining_positions(length, below, np.asarray(done, dtype=np.int64))
-    consumed = np.ones(length, dtype=bool)
-    consumed[remaining] = False
-    streams = [(context, shard_length(len(remaining), context)) for context in finished]
-    for context, pos in reading:
-        count = shard_length(len(remaining), context)
-        if pos > count:
-            raise StateError(
-                f"IndexedDataset: position {pos} is past the shard of {count} items of rank "
-                f"{context.rank} worker {context.worker_id}"
-            )
-        streams.append((context, pos))
-    for context, count in streams:
-        consumed[remaining[global_position(np.arange(count, dtype=np.int64), context)]] = True
-    if not consumed.any():
-        return {"epoch": plan.epoch, "pos": 0}
-    consumed = _even_rest(consumed, plan.new.world_size, stage.even)
-    length = len(consumed)
-    open_positions = np.flatnonzero(~consumed)
-    below = int(open_positions[0]) if len(open_positions) else length
-    above = np.flatnonzero(consumed[below:]) + below
-    return {
-        "epoch": plan.epoch,
-        "pos": 0,
-        "done_below": below,
-        "done": above.tolist(),
-        "length": length,
-    }
-
-
-def _even_rest(consumed: np.ndarray, ranks: int, even: Even) -> np.ndarray:
-    """``consumed`` (one flag per position of the epoch) padded with open positions, or
-    cut before its last open ones, so that the open positions fill whole rounds of
-    ``ranks`` (NOTE [ Elastic indexed order ])."""
-    open_positions = np.flatnonzero(~consumed)
-    if even == "pad":
-        return np.concatenate([consumed, np.zeros(-len(open_positions) % ranks, dtype=bool)])
-    cut = len(open_positions) % ranks
-    return consumed[: open_positions[-cut]] if cut else consumed
+    def _permutation(self, items: int) -> Any:
+        """The shuffled order of this epoch: a computed bijection, or for a state saved
+        before those (order 1) the stored permutation of that version."""
+        epoch, order, permutation = self._order
+        if epoch != self.epoch or order != self.order:
+            seed = derive_seed(self.stage.seed, _PERMUTATION_PURPOSE, self.epoch)
+            if self.order == 2:
+                permutation = KeyedPermutation(items, seed)
+            else:
+                stored = np.random.default_rng(seed).permutation(items)
+                permutation = stored.__getitem__
+            self._order = (self.epoch, self.order, permutation)
+        return permutation
