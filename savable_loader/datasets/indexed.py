@@ -5,7 +5,8 @@ Epoch ``e`` visits the indices in the order ``perm_e`` (with ``shuffle``, a bije
 ``0..n-1`` keyed by ``(seed, e)`` and computed position by position, NOTE [ Computed
 epoch orders ] in ``permutation.py``; else ``0..n-1``), read cyclically: position ``p``
 of the epoch is index ``perm_e[p % n]``. A state saved before computed orders (no
-``"order": 2``) keeps NumPy's stored permutation of ``(seed, e)`` for its run. On ``R`` ranks a fresh epoch has
+``"order": 2``) keeps NumPy's stored permutation of ``(seed, e)`` for its run. On ``R``
+ranks a fresh epoch has
 ``ceil(n/R)*R`` positions with ``even="pad"`` (the first indices come again at the end,
 as ``DistributedSampler`` repeats the start of its list) and ``floor(n/R)*R`` with
 ``even="drop"`` (the tail is left out), so every rank reads as many items; with one rank

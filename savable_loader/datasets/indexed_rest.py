@@ -4,7 +4,7 @@ indexed order ] in ``indexed.py``)."""
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from pydantic import Field
@@ -15,8 +15,14 @@ from .cursor import StageState, validate_state
 from .elastic import ReshardPlan
 from .index_order import Even, global_position, remaining_positions, shard_length
 
-if TYPE_CHECKING:
-    from .indexed import IndexedDataset
+
+class IndexedStage(Protocol):
+    """What a reshard asks of an ``IndexedDataset``."""
+
+    data: Any
+    even: Even
+    shuffled: bool
+
 
 __all__ = ["FRESH_ORDER", "IndexedState", "check_length", "parse_done", "reshard_indexed"]
 
@@ -101,7 +107,7 @@ def _old_rest(position: IndexedState, items: int) -> tuple[int, int, tuple[int, 
 _last_reshard: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
 
-def reshard_indexed(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, Any]:
+def reshard_indexed(stage: IndexedStage, plan: ReshardPlan) -> dict[str, Any]:
     """The state of ``plan.new``'s stream (NOTE [ Elastic indexed order ]).
 
     The answer depends on the epoch's length, ``even``, the old streams and the new
@@ -116,7 +122,7 @@ def reshard_indexed(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, 
     return answer
 
 
-def _reshard(stage: IndexedDataset[Any], plan: ReshardPlan) -> dict[str, Any]:
+def _reshard(stage: IndexedStage, plan: ReshardPlan) -> dict[str, Any]:
     items = len(stage.data)
     finished: list[WorkerContext] = []
     reading: list[tuple[WorkerContext, int]] = []
