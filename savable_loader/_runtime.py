@@ -246,6 +246,11 @@ class PipelineRuntime:
                 rng.apply(rng.RngSnapshot.from_state(checkpoint.rng))
         if seeded is not None:
             self._mark_seeded(seeded)
+        if self.torch_seeded is not None and start.new_epoch and spec.fresh_seeds:
+            # NOTE [ Torch's worker seeds ]: this worker starts an epoch as torch seeded
+            # it. Its first checkpoints say so at once: a save answered before epoch()
+            # runs must not hand back the generators of the epoch's end instead.
+            rng.apply(self.torch_seeded)
         if checkpoint is not None:
             generators = self._seeded.snapshot if self._seeded is not None else checkpoint.rng
             if generators is not None:  # one of the two: Checkpoint checks it
