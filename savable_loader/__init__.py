@@ -1,6 +1,7 @@
 """savable_loader: a ``DataLoader`` whose position can be saved and restored exactly."""
 
 from ._version import __version__
+from .checkpoint_dir import load_checkpoint, save_checkpoint
 from .config import WorkerConfig, WorkerContext
 from .datasets.base import SavableDataset
 from .errors import (
@@ -38,6 +39,8 @@ __all__ = [
     "WorkerContext",
     "WorkerError",
     "__version__",
+    "load_checkpoint",
     "load_state",
+    "save_checkpoint",
     "save_state",
 ]

@@ -25,7 +25,9 @@ def test_all_is_sorted_and_pinned():
         "WorkerContext",
         "WorkerError",
         "__version__",
+        "load_checkpoint",
         "load_state",
+        "save_checkpoint",
         "save_state",
     ]
     for name in savable_loader.__all__:

@@ -1,0 +1,178 @@
+"""Checkpoint directories (NOTE [ Per-rank checkpoint directories ] in
+``checkpoint_dir.py``): every rank writes its own file, the metadata comes last, a save
+killed half-way leaves the previous checkpoint valid, and a restore reads what it needs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gloo import in_rank_order, run_ranks
+
+from savable_loader import (
+    SavableDataLoader,
+    StateFileNotFoundError,
+    StateFormatError,
+    WorkerConfig,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+N, BATCH = 29, 3
+
+
+def _loader(rank: int = 0, world_size: int = 1, num_workers: int = 0) -> SavableDataLoader:
+    config = WorkerConfig(rank=rank, world_size=world_size)
+    return SavableDataLoader(
+        list(range(N)),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=num_workers,
+        seed=3,
+        worker_config=config,
+    )
+
+
+def _ids(loader: SavableDataLoader, count: int | None = None) -> list[list[int]]:
+    out = []
+    for batch in loader:
+        out.append(batch.tolist())
+        if count is not None and len(out) == count:
+            break
+    return out
+
+
+# -- one process ---------------------------------------------------------------------------
+
+
+def test_a_directory_round_trips_in_one_process(tmp_path: Path) -> None:
+    with _loader() as loader:
+        head = _ids(loader, 3)
+        save_checkpoint(loader, tmp_path / "ckpt")
+        rest = _ids(loader)
+    files = sorted(
+        p.relative_to(tmp_path / "ckpt").as_posix()
+        for p in (tmp_path / "ckpt").rglob("*")
+        if p.is_file()
+    )
+    assert files[-1] == "metadata.msgpack"
+    assert len(files) == 2
+    assert files[0].endswith("/rank-0.msgpack")
+    with _loader() as resumed:
+        load_checkpoint(resumed, tmp_path / "ckpt")
+        assert _ids(resumed) == rest
+    assert head
+
+
+def test_no_checkpoint_yet_is_a_file_not_found_error(tmp_path: Path) -> None:
+    with _loader() as loader, pytest.raises(FileNotFoundError) as info:
+        load_checkpoint(loader, tmp_path / "nothing")
+    assert isinstance(info.value, StateFileNotFoundError)
+
+
+def test_a_save_killed_before_its_metadata_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    with _loader() as loader:
+        _ids(loader, 2)
+        save_checkpoint(loader, folder)
+        after_first = _ids(_loader_at(folder))
+        _ids(loader, 2)
+        # The second save dies after its rank file and before the metadata.
+        import savable_loader.checkpoint_dir as module
+
+        real = module.storage.write_bytes
+        module.storage.write_bytes = _failing  # type: ignore[assignment]
+        try:
+            with pytest.raises(OSError, match="killed"):
+                save_checkpoint(loader, folder)
+        finally:
+            module.storage.write_bytes = real  # type: ignore[assignment]
+    assert _ids(_loader_at(folder)) == after_first
+
+
+def _failing(*args: Any, **kwargs: Any) -> None:
+    raise OSError("killed before the metadata was written")
+
+
+def _loader_at(folder: Path) -> SavableDataLoader:
+    loader = _loader()
+    load_checkpoint(loader, folder)
+    return loader
+
+
+def test_earlier_saves_are_removed_once_the_new_one_is_complete(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    with _loader() as loader:
+        for _ in range(3):
+            _ids(loader, 1)
+            save_checkpoint(loader, folder)
+    assert len([p for p in folder.iterdir() if p.is_dir()]) == 1
+
+
+def test_a_damaged_metadata_file_is_a_state_error(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    with _loader() as loader:
+        save_checkpoint(loader, folder)
+    (folder / "metadata.msgpack").write_bytes(b"garbage")
+    with _loader() as loader, pytest.raises(StateFormatError):
+        load_checkpoint(loader, folder)
+
+
+# -- ranks over gloo -----------------------------------------------------------------------
+
+
+def _job_save(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    """Each rank reads 2 batches, saves into a directory, reads the rest of two epochs."""
+    with _loader(rank, world_size, num_workers=1) as loader:
+        _ids(loader, 2)
+        save_checkpoint(loader, tmp / f"ckpt-{world_size}")
+        rest = _ids(loader) + _ids(loader)
+    return {"rest": rest}
+
+
+def _job_restore(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    """Restores the directory the 2-rank job wrote, onto ``world_size`` ranks."""
+    opened: list[str] = []
+    import savable_loader.checkpoint_dir as module
+
+    real = module.load_state
+
+    def tracked(url: Any, **kwargs: Any) -> Any:
+        opened.append(os.path.basename(os.fspath(url)))
+        return real(url, **kwargs)
+
+    module.load_state = tracked  # type: ignore[assignment]
+    with _loader(rank, world_size, num_workers=1) as loader:
+        load_checkpoint(loader, tmp / "ckpt-2")
+        rest = _ids(loader) + _ids(loader)
+    return {"rest": rest, "opened": opened}
+
+
+_JOBS = {"save": _job_save, "restore": _job_restore}
+
+
+def _launch(job: str, world_size: int, tmp: Path) -> list[dict[str, Any]]:
+    reports = run_ranks(_JOBS[job], world_size, tmp, timeout=120)
+    return in_rank_order(reports, world_size, job)
+
+
+@pytest.mark.slow
+def test_ranks_write_their_own_files_and_restore_on_the_same_or_another_layout(
+    tmp_path: Path,
+) -> None:
+    saved = _launch("save", 2, tmp_path)
+    folder = tmp_path / "ckpt-2"
+    saves = [p for p in folder.iterdir() if p.is_dir()]
+    assert len(saves) == 1
+    assert sorted(p.name for p in saves[0].iterdir()) == ["rank-0.msgpack", "rank-1.msgpack"]
+    same = _launch("restore", 2, tmp_path)
+    assert [report["rest"] for report in same] == [report["rest"] for report in saved]
+    assert [report["opened"] for report in same] == [["rank-0.msgpack"], ["rank-1.msgpack"]]
+    wider = _launch("restore", 3, tmp_path)
+    assert wider[0]["opened"] == ["rank-0.msgpack", "rank-1.msgpack"]  # read once, on rank 0
+    assert wider[1]["opened"] == wider[2]["opened"] == []
+    # The rest of the interrupted epoch moves to 3 ranks: as many batches on each.
+    firsts = [len(report["rest"]) for report in wider]
+    assert len(set(firsts)) == 1
