@@ -39,6 +39,11 @@ the new ranks and workers exactly as a whole epoch is: element ``k`` of the rema
 list goes to rank ``k % R``, then in batch blocks to workers. A second elastic restore in
 that epoch maps the new streams' prefixes back through the remaining list, so resharding
 composes. The next epoch is laid out as a fresh run on the new layout lays it out.
+None of this builds the epoch (``rest_after`` in ``indexed_rest.py``): the first position
+left is the least next position of any saved stream, the consumed ones above it are the
+old ``done`` above it and the items each stream took past it, found by binary search, so
+a reshard costs what its answer holds, not the epoch's length; a worker finds its ``k``-th
+position among the open ones by binary search over ``done`` (``nth_remaining``).
 
 A state names ``length`` whenever it is not ``n``. A state without it was saved where
 padding changes nothing (one rank, or ranks that divide ``n``), or before padding

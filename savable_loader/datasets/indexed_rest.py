@@ -13,7 +13,7 @@ from ..config import WorkerContext
 from ..errors import StateError
 from .cursor import StageState, validate_state
 from .elastic import ReshardPlan
-from .index_order import Even, global_position, remaining_positions, shard_length
+from .index_order import Even, global_position, nth_remaining, shard_length
 
 
 class IndexedStage(Protocol):
@@ -103,7 +103,7 @@ def _old_rest(position: IndexedState, items: int) -> tuple[int, int, tuple[int, 
 
 
 #: The last reshard's (stage config, epoch, old streams, new world size) and answer: every
-#: new stream of one restore gets the same answer, which costs O(length) to compute.
+#: new stream of one restore gets the same answer, computed once (:func:`rest_after`).
 _last_reshard: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
 
@@ -160,27 +160,22 @@ def _reshard(stage: IndexedStage, plan: ReshardPlan) -> dict[str, Any]:
         # Every stream finished the epoch: nothing of it is left.
         return {"epoch": plan.epoch, "pos": 0, "done_below": 0, "done": [], "length": 0, **order}
     (length, below, done), *_ = records
-    remaining = remaining_positions(length, below, np.asarray(done, dtype=np.int64))
-    consumed = np.ones(length, dtype=bool)
-    consumed[remaining] = False
-    streams = [(context, shard_length(len(remaining), context)) for context in finished]
+    open_before = length - below - len(done)
+    streams = [(context, shard_length(open_before, context)) for context in finished]
     for context, pos in reading:
-        count = shard_length(len(remaining), context)
+        count = shard_length(open_before, context)
         if pos > count:
             raise StateError(
                 f"IndexedDataset: position {pos} is past the shard of {count} items of rank "
                 f"{context.rank} worker {context.worker_id}"
             )
         streams.append((context, pos))
-    for context, count in streams:
-        consumed[remaining[global_position(np.arange(count, dtype=np.int64), context)]] = True
-    if not consumed.any():
+    rest = rest_after(
+        length, below, np.asarray(done, dtype=np.int64), streams, plan.new.world_size, stage.even
+    )
+    if rest is None:
         return {"epoch": plan.epoch, "pos": 0, **order}
-    consumed = _even_rest(consumed, plan.new.world_size, stage.even)
-    length = len(consumed)
-    open_positions = np.flatnonzero(~consumed)
-    below = int(open_positions[0]) if len(open_positions) else length
-    above = np.flatnonzero(consumed[below:]) + below
+    length, below, above = rest
     return {
         "epoch": plan.epoch,
         "pos": 0,
@@ -191,12 +186,88 @@ def _reshard(stage: IndexedStage, plan: ReshardPlan) -> dict[str, Any]:
     }
 
 
-def _even_rest(consumed: np.ndarray, ranks: int, even: Even) -> np.ndarray:
-    """``consumed`` (one flag per position of the epoch) padded with open positions, or
-    cut before its last open ones, so that the open positions fill whole rounds of
-    ``ranks`` (NOTE [ Elastic indexed order ])."""
-    open_positions = np.flatnonzero(~consumed)
+def rest_after(
+    length: int,
+    below: int,
+    done: np.ndarray,
+    streams: list[tuple[WorkerContext, int]],
+    ranks: int,
+    even: Even,
+) -> tuple[int, int, np.ndarray] | None:
+    """What is left of an epoch once ``streams`` took their first items: the new
+    ``(length, done_below, done)``, evened for ``ranks`` (NOTE [ Elastic indexed order ]),
+    or None when nothing of the epoch was consumed.
+
+    The epoch's open positions before the streams read are those from ``below`` on that
+    ``done`` does not hold; stream ``s`` took the first ``taken`` of its shard of them,
+    whose ``k``-th is open position ``global_position(k)``, increasing in ``k``. Nothing
+    of size ``length`` is built: the first position left is the least next position of
+    any stream, the consumed ones above it are the old ``done`` above it and, per stream,
+    the few items it took past that position, found by binary search.
+    """
+    open_before = length - below - len(done)
+    taken = sum(count for _, count in streams)
+    if below == 0 and not len(done) and not taken:
+        return None
+    counts = [shard_length(open_before, context) for context, _ in streams]
+    nexts = [
+        int(global_position(count, context))
+        for (context, count), total in zip(streams, counts, strict=True)
+        if count < total
+    ]
+    first_open = min(nexts, default=open_before)  # an index among the open positions
+    open_left = open_before - taken
+    new_length = length
     if even == "pad":
-        return np.concatenate([consumed, np.zeros(-len(open_positions) % ranks, dtype=bool)])
-    cut = len(open_positions) % ranks
-    return consumed[: open_positions[-cut]] if cut else consumed
+        new_length += -open_left % ranks
+    elif open_left % ranks:
+        kept = open_left - open_left % ranks  # the open positions kept: the first ones
+        new_length = _position(_kth_left(kept, streams, counts, open_before), below, done)
+    new_below = _position(first_open, below, done) if first_open < open_before else length
+    new_below = min(new_below, new_length)
+    parts = [done[(done > new_below) & (done < new_length)]]
+    for context, count in streams:
+        start = _first_past(first_open, context, count)
+        if start < count:
+            indices = global_position(np.arange(start, count, dtype=np.int64), context)
+            positions = _position(indices, below, done)
+            parts.append(positions[positions < new_length])
+    above = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+    return new_length, int(new_below), above.astype(np.int64)
+
+
+def _position(index: Any, below: int, done: np.ndarray) -> Any:
+    """The position of the ``index``-th open position (an int or an array)."""
+    found = nth_remaining(np.asarray(index, dtype=np.int64), below, done)
+    return int(found) if np.ndim(found) == 0 else found
+
+
+def _first_past(index: int, context: WorkerContext, count: int) -> int:
+    """The least ``k < count`` whose open position index exceeds ``index`` (``count``
+    if none): ``global_position`` increases with ``k``."""
+    low, high = 0, count
+    while low < high:
+        middle = (low + high) // 2
+        if int(global_position(middle, context)) > index:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _kth_left(
+    kept: int, streams: list[tuple[WorkerContext, int]], counts: list[int], total: int
+) -> int:
+    """The open position index of the ``kept``-th (from 0) index no stream took."""
+    low, high = 0, total - 1
+    while low < high:  # the least v with more than ``kept`` untaken indices up to v
+        middle = (low + high) // 2
+        untaken = 0
+        for (context, count), size in zip(streams, counts, strict=True):
+            upto = _first_past(middle, context, size)  # shard items at indices <= middle
+            untaken += upto - min(count, upto)
+        if untaken > kept:
+            high = middle
+        else:
+            low = middle + 1
+    return low
