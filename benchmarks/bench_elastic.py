@@ -27,7 +27,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from savable_loader import RankState, SavableDataLoader, WorkerConfig
-from savable_loader.datasets import IndexedDataset, indexed
+from savable_loader.datasets import IndexedDataset, indexed_rest
 from savable_loader.state.files import encode_state
 
 BATCH = 32
@@ -75,7 +75,7 @@ def _first_batch(loader: Any, restore: Any) -> float:
 
 def _forget() -> None:
     """Drops the indexed reshard's memo so that every measurement computes it."""
-    indexed._last_reshard.clear()
+    indexed_rest._last_reshard.clear()
 
 
 def _elastic_restore(loader: SavableDataLoader, states: list[RankState]) -> None:
