@@ -1,0 +1,246 @@
+"""Scale: memory per worker and time to the first batch as the dataset grows, state bytes,
+and global save / restore time as the job grows (issue 16).
+
+1. A shuffled map-style dataset of ``N`` items (an index is its item), 2 workers, batch
+   32: the peak RSS of each worker (``VmHWM``) and the time from building the loader to
+   its first batch, for N = 10**6 .. 10**10. The shuffled order is computed (NOTE
+   [ Computed epoch orders ]); torch's ``DataLoader`` with ``shuffle=True`` is measured
+   up to 10**8 in the same run (its ``RandomSampler`` draws a permutation of N).
+2. The bytes of a saved state per worker and per job, for that dataset.
+3. Global save and restore on 2, 4, 8 and 16 gloo ranks of one process each, 2 workers a
+   rank, in both forms: ``save_state_global`` (gathered on rank 0, one file) and
+   ``save_checkpoint`` (a file per rank, metadata last); a line fitted to the times and
+   its value at 1,024 ranks, **an extrapolation, not a measurement**.
+
+    python benchmarks/bench_scale.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from savable_loader import (
+    SavableDataLoader,
+    WorkerConfig,
+    load_checkpoint,
+    load_state,
+    save_checkpoint,
+    save_state,
+)
+from savable_loader.state.files import encode_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+BATCH = 32
+
+
+class Range:
+    """``N`` items, item ``i`` being ``i`` (nothing is stored)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _children_peak_rss() -> list[int]:
+    """Peak resident set (bytes) of this process's child processes."""
+    peaks = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            if parent != me:
+                continue
+            with open(f"/proc/{entry}/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        peaks.append(int(line.split()[1]) * 1024)
+        except (OSError, ValueError, IndexError):
+            continue
+    return peaks
+
+
+def _first_batch(build: Any) -> tuple[float, list[int]]:
+    began = time.perf_counter()
+    loader = build()
+    iterator = iter(loader)
+    batch = next(iterator)
+    elapsed = time.perf_counter() - began
+    assert len(batch) == BATCH
+    peaks = _children_peak_rss()
+    # Stop the workers now, so that the next loader's forked workers inherit no iterator.
+    if hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+    del iterator, loader
+    gc.collect()
+    return elapsed, peaks
+
+
+def part_sizes(sizes: list[int], torch_up_to: int) -> None:
+    print("\n## Memory per worker and time to the first batch (2 workers, batch 32)\n")
+    print(
+        "| N | ours: first batch | ours: worker peak RSS | torch: first batch | torch: worker peak RSS |"
+    )
+    print("|---|---|---|---|---|")
+    for n in sizes:
+        ours = _first_batch(
+            lambda n=n: SavableDataLoader(Range(n), batch_size=BATCH, shuffle=True, num_workers=2)
+        )
+        theirs: tuple[float, list[int]] | None = None
+        if n <= torch_up_to:
+            theirs = _first_batch(
+                lambda n=n: DataLoader(Range(n), batch_size=BATCH, shuffle=True, num_workers=2)
+            )
+        mb = lambda peaks: f"{max(peaks) / 2**20:.0f} MB" if peaks else "-"  # noqa: E731
+        torch_cells = (
+            f"{theirs[0]:.2f} s | {mb(theirs[1])}" if theirs else "not run (permutation of N) | -"
+        )
+        print(f"| 10^{len(str(n)) - 1} | {ours[0]:.2f} s | {mb(ours[1])} | {torch_cells} |")
+
+
+def part_state_bytes() -> None:
+    print("\n## State bytes (shuffled map-style dataset of 10^9 items, batch 32)\n")
+    print("| workers | per worker (msgpack of the worker's state) | whole file |")
+    print("|---|---|---|")
+    for workers in (0, 2, 8):
+        loader = SavableDataLoader(
+            Range(10**9), batch_size=BATCH, shuffle=True, num_workers=workers
+        )
+        iterator = iter(loader)
+        for _ in range(3):
+            next(iterator)
+        state = loader.save_state_rank()
+        loader.close()
+        import msgpack
+
+        per_worker = [
+            len(msgpack.packb(w.model_dump(mode="python"), use_bin_type=True))
+            for w in state.workers
+        ]
+        print(f"| {workers} | {max(per_worker)} B | {len(encode_state(state))} B |")
+
+
+def _job(rank: int, world_size: int, tmp: Path) -> dict[str, float]:
+    """One rank: a loader of 2 workers, 3 batches, then both save forms and both restores."""
+    import torch.distributed as dist
+
+    def build() -> SavableDataLoader:
+        return SavableDataLoader(
+            Range(10**6),
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=2,
+            worker_config=WorkerConfig(rank=rank, world_size=world_size),
+        )
+
+    loader = build()
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    times: dict[str, float] = {}
+    dist.barrier()
+    began = time.perf_counter()
+    states = loader.save_state_global()
+    if rank == 0:
+        save_state(states, tmp / f"global-{world_size}.msgpack")
+    dist.barrier()
+    times["gather save"] = time.perf_counter() - began
+    began = time.perf_counter()
+    save_checkpoint(loader, tmp / f"dir-{world_size}")
+    dist.barrier()
+    times["directory save"] = time.perf_counter() - began
+    loader.close()
+    restored = build()
+    dist.barrier()
+    began = time.perf_counter()
+    restored.restore_state_global(load_state(tmp / f"global-{world_size}.msgpack"))
+    dist.barrier()
+    times["gather restore"] = time.perf_counter() - began
+    began = time.perf_counter()
+    load_checkpoint(restored, tmp / f"dir-{world_size}")
+    dist.barrier()
+    times["directory restore"] = time.perf_counter() - began
+    restored.close()
+    if rank == 0:  # what rank 0 reads and holds of a save, in bytes
+        times["gather bytes on rank 0"] = float(
+            os.path.getsize(tmp / f"global-{world_size}.msgpack")
+        )
+        folder = tmp / f"dir-{world_size}"
+        own = next(folder.glob("*/rank-0.msgpack"))
+        times["directory bytes on rank 0"] = float(
+            os.path.getsize(own) + os.path.getsize(folder / "metadata.msgpack")
+        )
+    return times
+
+
+def part_ranks(ranks: list[int]) -> None:
+    from gloo import in_rank_order, run_ranks
+
+    print("\n## Global save and restore on gloo ranks (2 workers a rank; times on rank 0)\n")
+    print("All ranks share this machine's 2 cores (3 processes a rank), so the times grow")
+    print("with the oversubscription as much as with the algorithm; the bytes do not.\n")
+    rows: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for world in ranks:
+            reports = in_rank_order(
+                run_ranks(_job, world, Path(folder), timeout=600), world, "scale"
+            )
+            for name, seconds in reports[0].items():
+                rows.setdefault(name, []).append(seconds)
+    print(
+        "| form | "
+        + " | ".join(f"{r} ranks" for r in ranks)
+        + " | fitted: s per rank | extrapolated to 1,024 ranks x 8 workers |"
+    )
+    print("|---|" + "---|" * len(ranks) + "---|---|")
+    for name, values in rows.items():
+        slope, intercept = np.polyfit(ranks, values, 1)
+        if "bytes" in name:
+            cells = " | ".join(f"{v:,.0f} B" for v in values)
+            at = intercept + slope * 1024
+            print(
+                f"| {name} | {cells} | {slope:,.0f} B | ~{at * 4 / 2**20:.1f} MB at 8 workers (extrapolation) |"
+            )
+            continue
+        # 8 workers instead of 2: a rank's own state is 4 times larger; its share of a
+        # collective's time does not change with it, the bytes do (extrapolation).
+        at = intercept + slope * 1024
+        cells = " | ".join(f"{v * 1000:.0f} ms" for v in values)
+        print(f"| {name} | {cells} | {slope * 1000:.1f} ms | ~{max(at, 0):.1f} s (extrapolation) |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and ranks")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sizes = [10**6, 10**8, 10**10] if args.quick else [10**6, 10**7, 10**8, 10**9, 10**10]
+    part_sizes(sizes, torch_up_to=10**7 if args.quick else 10**8)
+    part_state_bytes()
+    part_ranks([2, 4] if args.quick else [2, 4, 8, 16])
+
+
+if __name__ == "__main__":
+    main()
