@@ -299,6 +299,22 @@ def test_prefetch_downloads_the_next_files_before_they_are_opened(
     assert not cache._threads
 
 
+def test_prefetched_files_never_opened_are_let_go(memory: str, tmp_path: Path) -> None:
+    fs = fsspec.filesystem("memory")
+    urls = _urls(memory)
+    cache = FileCache(tmp_path, 10**6, 1)
+    for count, url in enumerate(urls[:3], 1):
+        cache.want([url], lambda _: fs)
+        _wait(lambda count=count: cache.stats.prefetched == count)
+        _wait(lambda url=url: list(cache._pinned) == [url])
+    other = FileCache(tmp_path, 1, 0)
+    other.evict()  # every entry but the one still pinned goes
+    assert [cache.path(url, ".data").exists() for url in urls[:3]] == [False, False, True]
+    cache.close()
+    other.evict()
+    assert not list(tmp_path.glob("*.data"))
+
+
 # Arguments.
 
 

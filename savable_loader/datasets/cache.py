@@ -40,8 +40,10 @@ while the current one is read (``ShardCursor.open_file`` names them). They only 
 cache: what is read, and from where, does not depend on them. Their errors are logged at
 DEBUG and dropped; the reader's own open downloads (and retries, and raises) as without
 them. An entry a prefetch validated is opened without asking ``info()`` again, and held
-until then. The threads are daemons, exit after a second without work, and stop at
-:meth:`FileCache.close`; they are rebuilt when needed, in every process.
+until then (at most ``prefetch`` entries per process: the oldest is let go when a
+stream's plan changed and it was never opened). The threads are daemons, exit after a
+second without work, and stop at :meth:`FileCache.close`; they are rebuilt when
+needed, in every process.
 """
 
 from __future__ import annotations
@@ -420,15 +422,23 @@ class FileCache:
         if signature["size"] > self.limit:
             return
         fd, downloaded = self._hold(url, fs, signature)
+        dropped = []
         with self._mutex:
             keep = not self._closed and url in self._wanted and url not in self._pinned
             if keep:
                 self._pinned[url] = fd
                 self._checked[url] = signature
+                while len(self._pinned) > self.prefetch:  # never read: let it go
+                    oldest = next(iter(self._pinned))
+                    dropped.append(self._pinned.pop(oldest))
+                    self._checked.pop(oldest, None)
+                    self._wanted.discard(oldest)
             if downloaded:
                 self.stats.prefetched += 1
         if not keep:
-            os.close(fd)
+            dropped.append(fd)
+        for held in dropped:
+            os.close(held)
 
     def close(self) -> None:
         """Stops the prefetch threads and releases the entries they hold; idempotent.
