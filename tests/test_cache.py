@@ -212,25 +212,10 @@ class _Breaking:
     def info(self, url: str) -> dict[str, Any]:
         return self.fs.info(url)  # type: ignore[no-any-return]
 
-    def open(self, url: str, mode: str) -> Any:
-        data = self.fs.cat_file(url)
-
-        class Stream:
-            reads = 0
-
-            def read(self, size: int = -1) -> bytes:
-                self.reads += 1
-                if self.reads > 1:
-                    raise ConnectionError("connection reset mid-download")
-                return data[:100]
-
-            def __enter__(self) -> Stream:
-                return self
-
-            def __exit__(self, *exc: object) -> None:
-                pass
-
-        return Stream()
+    def get_file(self, url: str, local: str) -> None:
+        with open(local, "wb") as out:
+            out.write(self.fs.cat_file(url)[:100])
+        raise ConnectionError("connection reset mid-download")
 
 
 def test_a_failed_download_leaves_no_entry(memory: str, tmp_path: Path) -> None:

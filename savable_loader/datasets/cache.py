@@ -58,7 +58,6 @@ import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 import uuid
@@ -77,7 +76,6 @@ logger = logging.getLogger(__name__)
 #: ``cache_limit`` when a ``cache_dir`` is given without one: 10 GiB.
 DEFAULT_CACHE_LIMIT = 10 * 2**30
 
-_CHUNK = 2**20
 _STALE_TEMP_SECONDS = 3600.0
 _IDLE_SECONDS = 1.0
 _LOCAL = ("file", "local")
@@ -305,11 +303,10 @@ class FileCache:
         data, sidecar = self.path(url, ".data"), self.path(url, ".json")
         temp = self.directory / f".tmp-{data.stem}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            with fs.open(url, "rb") as remote, open(temp, "wb") as out:
-                shutil.copyfileobj(remote, out, _CHUNK)
-                out.flush()
+            fs.get_file(url, str(temp))  # one GET on object stores (open would HEAD first)
+            with open(temp, "rb+") as out:
                 os.fsync(out.fileno())
-                got = out.tell()
+                got = os.fstat(out.fileno()).st_size
             if got != signature["size"]:
                 raise ConnectionError(
                     f"downloaded {got} bytes of {url}, whose size is {signature['size']}"
