@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import multiprocessing
+import os
 import pickle
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,7 +20,7 @@ from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 from test_tar_source import _shard
 
-from savable_loader import ConfigError, StorageError, WorkerContext
+from savable_loader import ConfigError, SavableDataLoader, StorageError, WorkerContext
 from savable_loader.datasets import RetryPolicy
 from savable_loader.datasets.cache import FileCache
 from savable_loader.datasets.jsonl import JsonLinesSource
@@ -142,6 +145,33 @@ def test_a_second_source_reuses_the_cache(memory: str, tmp_path: Path) -> None:
     assert (stats.bytes_downloaded, stats.misses, stats.hits) == (0, 0, len(LENGTHS))
 
 
+def test_a_second_loader_with_workers_downloads_nothing(memory: str, tmp_path: Path) -> None:
+    def loader() -> SavableDataLoader:
+        source = JsonLinesSource(f"{memory}/part-*", cache_dir=tmp_path)
+        return SavableDataLoader(source, batch_size=2, num_workers=2)
+
+    with loader() as first:
+        batches = [batch["id"].tolist() for batch in first]
+    entries = {path: path.stat().st_ino for path in tmp_path.glob("*.data")}
+    assert len(entries) == len(LENGTHS)
+    with loader() as second:
+        assert [batch["id"].tolist() for batch in second] == batches
+    assert {path: path.stat().st_ino for path in tmp_path.glob("*.data")} == entries
+
+
+def test_s3_a_new_etag_is_downloaded_again(s3: S3, tmp_path: Path) -> None:
+    url = s3.put("data/a.jsonl", _lines(0, 3))
+    source = JsonLinesSource(url, storage_options=s3.options(), cache_dir=tmp_path)
+    assert [item["id"] for item in source.cursor(_context())] == [0, 1, 2]
+    s3.put("data/a.jsonl", _lines(0, 3).replace(b'"id": 0', b'"id": 7'))  # same size
+    again = JsonLinesSource(url, storage_options=s3.options(), cache_dir=tmp_path)
+    assert [item["id"] for item in again.cursor(_context())] == [7, 1, 2]
+    assert (again.cache_stats().misses, again.cache_stats().hits) == (1, 0)
+    third = JsonLinesSource(url, storage_options=s3.options(), cache_dir=tmp_path)
+    assert [item["id"] for item in third.cursor(_context())] == [7, 1, 2]
+    assert (third.cache_stats().misses, third.cache_stats().hits) == (0, 1)
+
+
 def test_a_changed_remote_file_is_downloaded_again(memory: str, tmp_path: Path) -> None:
     source = JsonLinesSource(f"{memory}/part-*", cache_dir=tmp_path, prefetch=0)
     assert len(list(source.cursor(_context()))) == sum(LENGTHS)
@@ -229,6 +259,36 @@ def test_a_failed_download_leaves_no_entry(memory: str, tmp_path: Path) -> None:
     assert not [name for name in left if name.startswith(".tmp-")]
     with cache.open(url, fs) as file:
         assert file.read() == fs.cat_file(url)
+
+
+class _Stalling(_Breaking):
+    """A filesystem whose downloads write part of the file, then hang."""
+
+    def get_file(self, url: str, local: str) -> None:
+        with open(local, "wb") as out:
+            out.write(self.fs.cat_file(url)[:100])
+        Path(local + ".started").touch()
+        time.sleep(60)
+
+
+def _stall(directory: Path, url: str) -> None:
+    FileCache(directory, 10**6, 0).open(url, _Stalling(fsspec.filesystem("memory")))
+
+
+def test_a_download_killed_midway_leaves_no_entry(memory: str, tmp_path: Path) -> None:
+    fs = fsspec.filesystem("memory")
+    url = _urls(memory)[2]
+    child = multiprocessing.get_context("fork").Process(target=_stall, args=(tmp_path, url))
+    child.start()
+    _wait(lambda: bool(list(tmp_path.glob("*.started"))))
+    os.kill(child.pid or 0, signal.SIGKILL)
+    child.join()
+    left = {path.name for path in tmp_path.iterdir()}
+    assert not [name for name in left if name.endswith((".data", ".json"))]
+    cache = FileCache(tmp_path, 10**6, 0)  # the dead process's locks are gone with it
+    with cache.open(url, fs) as file:
+        assert file.read() == fs.cat_file(url)
+    assert cache.stats.misses == 1
 
 
 def test_a_failed_download_is_retried_by_the_reader(
