@@ -223,6 +223,32 @@ def test_eviction_keeps_the_folder_under_the_limit_and_spares_held_files(
     assert sum(path.stat().st_size for path in tmp_path.glob("*.data")) <= limit
 
 
+def _signal_and_sleep(ready: Any) -> None:
+    ready.set()  # the fork hooks have run
+    time.sleep(30)
+
+
+def test_a_forked_child_keeps_no_entry_its_parent_held(memory: str, tmp_path: Path) -> None:
+    fs = fsspec.filesystem("memory")
+    url = _urls(memory)[0]
+    cache = FileCache(tmp_path, 10**6, 0)
+    file = cache.open(url, fs)
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
+    child = context.Process(target=_signal_and_sleep, args=(ready,))
+    child.start()
+    try:
+        assert ready.wait(10)
+        FileCache(tmp_path, 1, 0).evict()
+        assert cache.path(url, ".data").exists()  # the parent still reads it
+        file.close()
+        FileCache(tmp_path, 1, 0).evict()
+        assert not cache.path(url, ".data").exists()  # the child held no copy of the lock
+    finally:
+        child.kill()
+        child.join()
+
+
 def test_a_file_over_the_limit_is_streamed_uncached(memory: str, tmp_path: Path) -> None:
     fs = fsspec.filesystem("memory")
     url = _urls(memory)[2]

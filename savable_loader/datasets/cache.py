@@ -36,14 +36,17 @@ by the entry's users, and ``<key>.download``, held exclusively by its one writer
 
 NOTE [ Prefetching files ]
 ``prefetch`` threads per process download the next files of a stream into the cache
-while the current one is read (``ShardCursor.open_file`` names them). They only fill the
+while the current one is read (``ShardCursor.upcoming`` names them). They only fill the
 cache: what is read, and from where, does not depend on them. Their errors are logged at
-DEBUG and dropped; the reader's own open downloads (and retries, and raises) as without
-them. An entry a prefetch validated is opened without asking ``info()`` again, and held
-until then (at most ``prefetch`` entries per process: the oldest is let go when a
-stream's plan changed and it was never opened). The threads are daemons, exit after a
-second without work, and stop at :meth:`FileCache.close`; they are rebuilt when
-needed, in every process.
+DEBUG and dropped; the reader's own open downloads, retries and raises as without them.
+An entry a prefetch validated is held, and opened without asking ``info()`` again (at
+most ``prefetch`` per process: the oldest, never opened, is let go). The threads are
+daemons, exit after a second idle, stop at :meth:`FileCache.close`, and are rebuilt
+when needed. A forked child (a DataLoader worker) closes its copies of the locks its
+parent held, so that it keeps no entry from eviction that it does not use.
+
+This module is near 500 lines: the cache, its locks and its prefetch threads share
+state (held locks, pins) that would leak through module boundaries if split.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -133,6 +137,18 @@ def _flocked(path: Path, mode: int) -> Iterator[int]:
         os.close(fd)
 
 
+#: Every cache object of this process, whose inherited locks a forked child lets go.
+_CACHES: weakref.WeakSet[FileCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_CACHES):
+        cache._forget_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _HeldFile(io.BufferedIOBase):
     """A file opened from the cache: reads go to ``files[0]``; closing it closes
     ``files`` and runs ``release`` once (the entry's lock)."""
@@ -151,9 +167,6 @@ class _HeldFile(io.BufferedIOBase):
 
     def read(self, size: int | None = -1) -> bytes:
         return self._file.read(-1 if size is None else size)
-
-    def read1(self, size: int = -1) -> bytes:
-        return self._file.read(size)
 
     def readinto(self, buffer: Any) -> int:
         data = self._file.read(len(buffer))
@@ -207,6 +220,8 @@ class FileCache:
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._held: set[int] = set()  # lock fds of the entries this object holds
+        _CACHES.add(self)
 
     def path(self, url: str, suffix: str) -> Path:
         key = hashlib.sha256(url.encode()).hexdigest()[:40]
@@ -241,17 +256,36 @@ class FileCache:
             pinned = self._pinned.pop(url, None)
             self._wanted.discard(url)
         if pinned is not None:
-            os.close(pinned)
+            self._drop(pinned)
         self._count(misses=1 if downloaded else 0, hits=0 if downloaded else 1)
         try:
             files = self._open_local(url)
         except BaseException:
-            os.close(fd)
+            self._drop(fd)
             raise
         return _HeldFile(files, functools.partial(self._release, fd))  # type: ignore[return-value]
 
-    def _release(self, fd: int) -> None:
+    def _drop(self, fd: int) -> None:
+        """Closes ``fd``, a held entry's lock, unless a fork already let it go here."""
+        with self._mutex:
+            if fd not in self._held:
+                return
+            self._held.discard(fd)
         os.close(fd)
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: closes the child's copies of the parent's entry locks (the
+        parent keeps its own), so the child holds nothing it does not use."""
+        self._mutex = threading.Lock()
+        self._threads, self._pinned, self._checked, self._wanted = [], {}, {}, set()
+        self._jobs = queue.Queue()
+        held, self._held = self._held, set()
+        for fd in held:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _release(self, fd: int) -> None:
+        self._drop(fd)
         if self._over_marker.exists():
             self.evict()
 
@@ -273,6 +307,8 @@ class FileCache:
             fcntl.flock(fd, fcntl.LOCK_SH)
             if self._valid(url, signature):
                 os.utime(self.path(url, ".data"))
+                with self._mutex:
+                    self._held.add(fd)
                 return fd, False
             downloaded = False
             with _flocked(self.path(url, ".download"), fcntl.LOCK_EX):
@@ -284,6 +320,8 @@ class FileCache:
         except BaseException:
             os.close(fd)
             raise
+        with self._mutex:
+            self._held.add(fd)
         return fd, downloaded
 
     def _valid(self, url: str, signature: dict[str, Any]) -> bool:
@@ -435,7 +473,7 @@ class FileCache:
         if not keep:
             dropped.append(fd)
         for held in dropped:
-            os.close(held)
+            self._drop(held)
 
     def close(self) -> None:
         """Stops the prefetch threads and releases the entries they hold; idempotent.
@@ -456,4 +494,4 @@ class FileCache:
         for thread in threads:
             thread.join(timeout=30)
         for fd in pinned.values():
-            os.close(fd)
+            self._drop(fd)
