@@ -172,6 +172,21 @@ def test_s3_a_new_etag_is_downloaded_again(s3: S3, tmp_path: Path) -> None:
     assert (third.cache_stats().misses, third.cache_stats().hits) == (0, 1)
 
 
+def test_a_source_in_use_pickles_without_its_threads_and_locks(memory: str, tmp_path: Path) -> None:
+    source = JsonLinesSource(f"{memory}/part-*", cache_dir=tmp_path, prefetch=2)
+    cursor = source.cursor(_context())
+    first = [next(cursor)["id"] for _ in range(3)]
+    copy = pickle.loads(pickle.dumps(source))  # as spawn sends it to a worker
+    assert copy.cache_stats() is None
+    again = copy.cursor(_context())
+    assert [next(again)["id"] for _ in range(3)] == first
+    assert copy.cache_stats().hits == 1
+    cursor.close()
+    again.close()
+    source.close_cache()
+    copy.close_cache()
+
+
 def test_a_changed_remote_file_is_downloaded_again(memory: str, tmp_path: Path) -> None:
     source = JsonLinesSource(f"{memory}/part-*", cache_dir=tmp_path, prefetch=0)
     assert len(list(source.cursor(_context()))) == sum(LENGTHS)
