@@ -332,6 +332,40 @@ def test_a_download_killed_midway_leaves_no_entry(memory: str, tmp_path: Path) -
     assert cache.stats.misses == 1
 
 
+class _Slow(_Breaking):
+    """A filesystem whose downloads take a while and are logged to a file."""
+
+    def __init__(self, fs: Any, log: Path) -> None:
+        super().__init__(fs)
+        self.log = log
+
+    def get_file(self, url: str, local: str) -> None:
+        with open(self.log, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        time.sleep(0.3)
+        Path(local).write_bytes(self.fs.cat_file(url))
+
+
+def _read_slowly(directory: Path, url: str, log: Path, out: Path) -> None:
+    with FileCache(directory, 10**6, 0).open(url, _Slow(fsspec.filesystem("memory"), log)) as f:
+        out.write_bytes(f.read())
+
+
+def test_processes_opening_one_file_at_once_download_it_once(memory: str, tmp_path: Path) -> None:
+    url, cache, log = _urls(memory)[2], tmp_path / "cache", tmp_path / "downloads.log"
+    context = multiprocessing.get_context("fork")
+    outs = [tmp_path / f"out-{i}" for i in range(3)]
+    children = [context.Process(target=_read_slowly, args=(cache, url, log, out)) for out in outs]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(30)
+    assert [child.exitcode for child in children] == [0, 0, 0]
+    assert len(log.read_text().split()) == 1
+    data = fsspec.filesystem("memory").cat_file(url)
+    assert [out.read_bytes() == data for out in outs] == [True, True, True]
+
+
 def test_a_failed_download_is_retried_by_the_reader(
     memory: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
