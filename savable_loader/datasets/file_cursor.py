@@ -264,6 +264,8 @@ class ShardCursor(Cursor[T]):
     def open_file(self, url: str) -> IO[bytes]:
         """Returns the open file being read, positioned at ``offset``."""
         if self.file is None:
+            if self.stage.cache_dir is not None and self.stage.prefetch:
+                self.stage.prefetch_files(self.upcoming())
             with storage_errors(url):
                 file = self.stage.open(url)
                 try:
@@ -275,6 +277,27 @@ class ShardCursor(Cursor[T]):
             self.file = file
         return self.file
 
+    def upcoming(self) -> list[str]:
+        """The next ``stage.prefetch`` files this stream reads after the current one in
+        this epoch, as far as its position tells (NOTE [ Prefetching files ] in
+        ``cache.py``): a hint that changes nothing read."""
+        ahead = self.stage.prefetch
+        if self.stage.split == "files":
+            urls = self._layout()[1]
+            return urls[self.shard + 1 : self.shard + 1 + ahead]
+        run = self._sample_run()
+        if run is None:
+            order = self.stage.order(self.epoch)[self.place + 1 : self.place + 1 + ahead]
+            return [self.stage.urls[i] for i in order]
+        places: list[int] = []
+        taken = self.taken
+        while len(places) < ahead and taken < len(run):
+            place, index = run.target(taken)
+            if place != self.place and place not in places:
+                places.append(place)
+            taken += max(run.count(place) - index, 1)
+        return [self._url(place) for place in places]
+
     def close_own(self) -> None:
         """Closes the open file, if any; the position is kept."""
         file, self.file, self.file_done = self.file, None, False
@@ -283,6 +306,9 @@ class ShardCursor(Cursor[T]):
 
     def end_epoch(self) -> None:
         self.close_own()
+        stats = self.stage.cache_stats()
+        if stats is not None:
+            logger.debug("%s: epoch %d read, cache %s", self.stage.describe(), self.epoch, stats)
         self.rest, self.spans, self._run = None, None, None
         self._files = (-1, [], [])
         self.epoch, self.shard, self.taken, self.place, self.at = self.epoch + 1, 0, 0, 0, 0

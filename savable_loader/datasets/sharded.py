@@ -45,6 +45,7 @@ import numpy as np
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import derive_seed
+from .cache import DEFAULT_CACHE_LIMIT, CacheStats, FileCache, cacheable
 from .cursor import validate_state
 from .elastic import ReshardPlan
 from .file_rest import Rest, ShardState, reshard_files
@@ -82,6 +83,14 @@ class ShardedSource(Stage[T]):
             in ``retry.py``); None: ``retry.DEFAULT_POLICY``. Not part of ``config()``.
         storage_options: Passed to fsspec (credentials, endpoint...); not part of
             ``config()``.
+        cache_dir: A local folder where remote files are downloaded whole before they
+            are read and kept for later opens, shared by the processes of a node (NOTE
+            [ File cache ] in ``cache.py``); None: read in place. Not part of ``config()``.
+        cache_limit: Bytes the cache keeps once its files are read; None: 10 GiB. A
+            larger file is streamed uncached. Needs ``cache_dir``.
+        prefetch: With ``cache_dir``: the next files of each stream downloaded in the
+            background while one is read, by as many threads (0: none; NOTE
+            [ Prefetching files ] in ``cache.py``).
 
     Raises:
         ConfigError: An argument is invalid or a glob matches nothing.
@@ -105,6 +114,9 @@ class ShardedSource(Stage[T]):
         even: Even = "pad",
         retry: RetryPolicy | None = None,
         storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        prefetch: int = 2,
     ) -> None:
         name = type(self).__name__
         if not isinstance(shuffle_shards, bool):
@@ -127,12 +139,31 @@ class ShardedSource(Stage[T]):
             raise ConfigError(f"{name} storage_options must be a dict or None")
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         self._filesystems: dict[str, Any] = {}
+        self._check_cache(cache_dir, cache_limit, prefetch)
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self.cache_limit = DEFAULT_CACHE_LIMIT if cache_limit is None else cache_limit
+        self.prefetch = prefetch
+        self._cache: tuple[int, FileCache] | None = None
         self.urls = expand_urls(urls, self.storage_options, name)
         self.shuffle_shards = shuffle_shards
         self.seed = seed
         self.split: Split = split
         self.even: Even = even
         self._counts: tuple[int, ...] | None = None
+
+    def _check_cache(self, cache_dir: Any, cache_limit: Any, prefetch: Any) -> None:
+        name = type(self).__name__
+        if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+            raise ConfigError(f"{name} cache_dir must be a path or None, got {cache_dir!r}")
+        if cache_limit is not None:
+            if isinstance(cache_limit, bool) or not isinstance(cache_limit, int):
+                raise ConfigError(f"{name} cache_limit must be an int or None, got {cache_limit!r}")
+            if cache_limit <= 0:
+                raise ConfigError(f"{name} cache_limit must be positive, got {cache_limit}")
+            if cache_dir is None:
+                raise ConfigError(f"{name} cache_limit={cache_limit} needs a cache_dir")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"{name} prefetch must be an int >= 0, got {prefetch!r}")
 
     def config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -173,6 +204,7 @@ class ShardedSource(Stage[T]):
 
                 return retrying(url, once, lambda: None, self.retry)
 
+            self.file_cache()  # one per process, before the threads share it
             threads = min(_COUNTING_THREADS, len(self.urls))
             with ThreadPoolExecutor(threads, thread_name_prefix="count-samples") as pool:
                 self._counts = tuple(pool.map(count, self.urls))
@@ -235,17 +267,57 @@ class ShardedSource(Stage[T]):
         One filesystem per protocol and process serves every file of this stage, so that
         opening a file costs no new client (``skip_instance_cache`` included); a forked
         worker builds its own (fsspec's async filesystems are not fork-safe).
+        With ``cache_dir``, a remote file is read from the node's cache, downloaded
+        first when needed (NOTE [ File cache ] in ``cache.py``).
         """
         if "::" in url:
             return fsspec.open(url, "rb", compression="infer", **self.storage_options).open()  # type: ignore[no-any-return]
+        cache = self.file_cache()
+        if cache is not None and cacheable(url):
+            return cache.open(url, self.filesystem(url))
+        return self.filesystem(url).open(url, "rb", compression="infer")  # type: ignore[no-any-return]
+
+    def filesystem(self, url: str) -> Any:
+        """This process's fsspec filesystem for ``url``'s protocol."""
         key = f"{os.getpid()}:{url.partition('://')[0] if '://' in url else 'file'}"
         if key not in self._filesystems:
             self._filesystems[key] = fsspec.url_to_fs(url, **self.storage_options)[0]
-        return self._filesystems[key].open(url, "rb", compression="infer")  # type: ignore[no-any-return]
+        return self._filesystems[key]
+
+    def file_cache(self) -> FileCache | None:
+        """This process's view of the cache (None without ``cache_dir``), built when
+        first needed in every process."""
+        if self.cache_dir is None:
+            return None
+        if self._cache is None or self._cache[0] != os.getpid():
+            self._cache = (os.getpid(), FileCache(self.cache_dir, self.cache_limit, self.prefetch))
+        return self._cache[1]
+
+    def cache_stats(self) -> CacheStats | None:
+        """What this process's cache did so far (None without ``cache_dir``)."""
+        if self._cache is None or self._cache[0] != os.getpid():
+            return None
+        return self._cache[1].stats
+
+    def prefetch_files(self, urls: list[str]) -> None:
+        """Downloads ``urls``, the next files a stream reads, into the cache in the
+        background (NOTE [ Prefetching files ] in ``cache.py``); nothing without one."""
+        cache = self.file_cache()
+        if cache is not None and urls:
+            cache.want(urls, self.filesystem)
+
+    def close_cache(self) -> None:
+        """Stops this process's prefetch threads and logs its cache counters; the cache
+        is rebuilt if the stage reads again. Idempotent."""
+        if self._cache is not None and self._cache[0] == os.getpid():
+            cache, self._cache = self._cache[1], None
+            cache.close()
+            logger.debug("%s: cache %s", self.describe(), cache.stats)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_filesystems"] = {}  # rebuilt where the stage is read; the counts travel
+        state["_cache"] = None  # threads and locks are per process
         return state
 
     def order(self, epoch: int) -> list[int]:

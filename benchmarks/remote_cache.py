@@ -1,0 +1,172 @@
+"""The local file cache: reading JSON lines from S3 with and without it, and from disk.
+
+A loopback S3 server (moto's app under werkzeug, in this process) answers every request
+after an injected first-byte latency (30 ms by default), as an object store far from the
+node would. The same gzip JSON-lines files are written to local disk and uploaded. One
+stream (``num_workers=0``, as one worker reads) reads every line and spends a fixed CPU
+cost on each (NOTE [ Item cost ] in ``common.py``). Configurations, measured once per
+round in an order rotated every round (NOTE [ Alternation ] in ``common.py``):
+
+* ``local``: the files on local disk (no cache: local paths are read in place).
+* ``s3``: from S3 without a cache.
+* ``cold``: from S3 into an empty cache, ``prefetch=0``.
+* ``cold+prefetchN``: from S3 into an empty cache, ``prefetch=N`` (1, 2, 4).
+* ``warm``: from S3 with every file already cached (``prefetch=2``: the threads ask
+  ``info()`` ahead of the reader).
+
+Reported: lines per second (median over rounds), the median per-round ratio to ``s3``,
+and the seconds the reader waited on storage (``CacheStats.wait_seconds``).
+
+    python benchmarks/remote_cache.py [--files N] [--lines N] [--latency S] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import burn, calibrate, units_for
+
+from savable_loader import WorkerContext
+from savable_loader.datasets import JsonLinesSource
+
+BUCKET = "bench-cache"
+
+
+@contextmanager
+def slow_s3(latency: float) -> Iterator[str]:
+    """A loopback S3 endpoint whose every answer starts ``latency`` seconds late."""
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    app = DomainDispatcherApplication(create_backend_app)
+
+    def delayed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        time.sleep(latency)
+        return app(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, delayed, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def _file(index: int, lines: int) -> bytes:
+    rows = [json.dumps({"id": index * lines + i, "text": "x" * 200}) for i in range(lines)]
+    return gzip.compress(("\n".join(rows) + "\n").encode())
+
+
+def _read(source: JsonLinesSource, units: int) -> tuple[int, float, float]:
+    """Lines read, seconds, and seconds waited on storage."""
+    cursor = source.cursor(WorkerContext(0, 1, 0, 0, 0, None))
+    started = time.perf_counter()
+    count = 0
+    for _ in cursor:
+        burn(units)
+        count += 1
+    elapsed = time.perf_counter() - started
+    cursor.close()
+    stats = source.cache_stats()
+    source.close_cache()
+    return count, elapsed, (stats.wait_seconds if stats is not None else float("nan"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=16)
+    parser.add_argument("--lines", type=int, default=500)
+    parser.add_argument("--latency", type=float, default=0.03)
+    parser.add_argument("--item-us", type=float, default=50.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    import boto3
+
+    calibrate()
+    units = units_for(args.item_us)
+    with tempfile.TemporaryDirectory() as tmp, slow_s3(args.latency) as endpoint:
+        root = Path(tmp)
+        (root / "data").mkdir()
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="k",
+            aws_secret_access_key="s",
+            region_name="us-east-1",
+        )
+        client.create_bucket(Bucket=BUCKET)
+        for index in range(args.files):
+            body = _file(index, args.lines)
+            (root / "data" / f"part-{index:03d}.jsonl.gz").write_bytes(body)
+            client.put_object(Bucket=BUCKET, Key=f"data/part-{index:03d}.jsonl.gz", Body=body)
+        options = {
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+            "skip_instance_cache": True,
+        }
+        remote = f"s3://{BUCKET}/data/*.jsonl.gz"
+        warm_dir = root / "warm"
+        _read(JsonLinesSource(remote, storage_options=options, cache_dir=warm_dir), 0)
+
+        def build(name: str, round_: int) -> JsonLinesSource:
+            if name == "local":
+                return JsonLinesSource(str(root / "data" / "*.jsonl.gz"))
+            if name == "s3":
+                return JsonLinesSource(remote, storage_options=options)
+            if name == "warm":
+                return JsonLinesSource(remote, storage_options=options, cache_dir=warm_dir)
+            cold = root / f"cold-{name}-{round_}"
+            prefetch = int(name.partition("+prefetch")[2] or 0)
+            return JsonLinesSource(
+                remote, storage_options=options, cache_dir=cold, prefetch=prefetch
+            )
+
+        names = ["local", "s3", "cold", "cold+prefetch1", "cold+prefetch2", "cold+prefetch4"]
+        names.append("warm")
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        waits: dict[str, list[float]] = {name: [] for name in names}
+        ratios: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(args.rounds):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            measured: dict[str, float] = {}
+            for name in order:
+                source = build(name, round_)
+                count, elapsed, waited = _read(source, units)
+                measured[name] = count / elapsed
+                rates[name].append(count / elapsed)
+                waits[name].append(waited)
+            for name in names:
+                ratios[name].append(measured[name] / measured["s3"])
+        print(
+            f"{args.files} files x {args.lines} lines, {args.latency * 1000:.0f} ms first-byte "
+            f"latency, {args.item_us:.0f} us per line, {args.rounds} rounds, one stream"
+        )
+        print(f"{'config':<15}{'lines/s':>12}{'x s3':>8}{'waited s':>10}")
+        for name in names:
+            print(
+                f"{name:<15}{statistics.median(rates[name]):>12.0f}"
+                f"{statistics.median(ratios[name]):>8.2f}{statistics.median(waits[name]):>10.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

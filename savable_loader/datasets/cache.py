@@ -1,0 +1,497 @@
+"""A node-local cache of remote files, shared by the workers and ranks of one node.
+
+NOTE [ File cache ]
+With ``cache_dir`` a file source downloads each remote file whole into that folder
+before reading it, and reads the local copy. An entry is three files named by the
+SHA-256 of the URL: ``<key>.data`` (the bytes as stored, still compressed),
+``<key>.json`` (the sidecar: the remote size and ETag or modification time that
+fsspec's ``info()`` gave, and the URL), and two ``fcntl.flock`` lock files, never
+deleted (unlinking a lock file races with its next user): ``<key>.lock``, held shared
+by the entry's users, and ``<key>.download``, held exclusively by its one writer.
+
+* An entry is valid when its sidecar exists and its size and ETag/mtime equal what
+  ``info()`` says now; a later open, in this process or another, after a restart too,
+  reads it without downloading. A changed remote file is downloaded again.
+* Writes are atomic: the bytes go to a temp file in the same folder, are fsynced and
+  renamed over ``<key>.data``; the sidecar is removed before and written (temp file,
+  rename) after, so a sidecar never describes a partial file. A download killed midway
+  leaves only a ``.tmp-*`` file, removed by a later eviction once an hour old.
+* Locks: a reader holds ``.lock`` shared from before it checks the entry until its file
+  is closed (a prefetched entry is held the same way until the reader opens it). A
+  download holds ``.download`` exclusively, so one process downloads and the others
+  wait and then read its copy; it replaces the data by a rename, which leaves readers
+  of an older copy reading their open file. An eviction takes ``.lock`` exclusively
+  without waiting and skips the entry if it cannot, so no file in use or just
+  downloaded is removed. Evictions run one at a time per folder (``.evict.lock``).
+* Eviction: after a download, and after a reader closes a file while the folder was
+  over ``cache_limit`` (a ``.over`` marker file says so), entries are removed least
+  recently used first (the data file's mtime, touched at every open) until the total
+  of the ``.data`` files is under the limit. Entries being read are kept, so the
+  folder may exceed the limit while more files are open than it holds, and falls back
+  once they are closed.
+* A file larger than ``cache_limit`` is not cached: it is streamed from the store as
+  without a cache (counted as a miss, not as downloaded bytes).
+* Files are opened from the cache with fsspec's local filesystem and decompressed by
+  the URL's extension, as ``compression="infer"`` does for the remote file.
+
+NOTE [ Prefetching files ]
+``prefetch`` threads per process download the next files of a stream into the cache
+while the current one is read (``ShardCursor.upcoming`` names them). They only fill the
+cache: what is read, and from where, does not depend on them. Their errors are logged at
+DEBUG and dropped; the reader's own open downloads, retries and raises as without them.
+An entry a prefetch validated is held, and opened without asking ``info()`` again (at
+most ``prefetch`` per process: the oldest, never opened, is let go). The threads are
+daemons, exit after a second idle, stop at :meth:`FileCache.close`, and are rebuilt
+when needed. A forked child (a DataLoader worker) closes its copies of the locks its
+parent held, so that it keeps no entry from eviction that it does not use.
+
+This module is near 500 lines: the cache, its locks and its prefetch threads share
+state (held locks, pins) that would leak through module boundaries if split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import io
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import fsspec
+from fsspec.compression import compr
+from fsspec.core import get_compression
+
+__all__ = ["DEFAULT_CACHE_LIMIT", "CacheStats", "FileCache", "cacheable"]
+
+logger = logging.getLogger(__name__)
+
+#: ``cache_limit`` when a ``cache_dir`` is given without one: 10 GiB.
+DEFAULT_CACHE_LIMIT = 10 * 2**30
+
+_STALE_TEMP_SECONDS = 3600.0
+_IDLE_SECONDS = 1.0
+_LOCAL = ("file", "local")
+
+
+def cacheable(url: str) -> bool:
+    """Whether ``url`` is a remote file the cache keeps (local paths and chained
+    ``a::b`` URLs are read in place)."""
+    if "::" in url or "://" not in url:
+        return False
+    return url.partition("://")[0] not in _LOCAL
+
+
+@dataclasses.dataclass
+class CacheStats:
+    """What this process's cache did (NOTE [ File cache ]).
+
+    Attributes:
+        bytes_downloaded: Bytes downloaded into the cache, prefetched ones too.
+        hits: Opens served by a valid entry, downloaded by another open or a prefetch.
+        misses: Opens that had to download (or stream a file larger than the limit).
+        prefetched: Files downloaded ahead by the prefetch threads.
+        wait_seconds: Seconds the readers' opens waited on storage (or on a download
+            in progress), not counting the prefetch threads.
+    """
+
+    bytes_downloaded: int = 0
+    hits: int = 0
+    misses: int = 0
+    prefetched: int = 0
+    wait_seconds: float = 0.0
+
+
+def _signature(info: dict[str, Any]) -> dict[str, Any]:
+    """The remote size and ETag or mtime, as the sidecar records them."""
+    etag = info.get("ETag", info.get("etag"))
+    mtime = next(
+        (info[k] for k in ("mtime", "LastModified", "last_modified", "created") if k in info),
+        None,
+    )
+    return {
+        "size": int(info.get("size") or 0),
+        "etag": None if etag is None else str(etag),
+        "mtime": None if mtime is None else str(mtime),
+    }
+
+
+@contextlib.contextmanager
+def _flocked(path: Path, mode: int) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, mode)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+#: Every cache object of this process, whose inherited locks a forked child lets go.
+_CACHES: weakref.WeakSet[FileCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_CACHES):
+        cache._forget_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _HeldFile(io.BufferedIOBase):
+    """A file opened from the cache: reads go to ``files[0]``; closing it closes
+    ``files`` and runs ``release`` once (the entry's lock)."""
+
+    def __init__(self, files: tuple[IO[bytes], ...], release: Callable[[], None]) -> None:
+        super().__init__()
+        self._files = files
+        self._file = files[0]
+        self._release: Callable[[], None] | None = release
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        return self._file.read(-1 if size is None else size)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._file.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def readline(self, size: int | None = -1) -> bytes:
+        return self._file.readline(-1 if size is None else size)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            for file in self._files:
+                file.close()
+        finally:
+            super().close()
+            release, self._release = self._release, None
+            if release is not None:
+                release()
+
+
+class FileCache:
+    """The cache of one folder, as one process uses it (NOTE [ File cache ]).
+
+    Args:
+        directory: The folder, created if missing; may be shared by the processes of
+            a node.
+        limit: Bytes the entries may take once no reader holds them.
+        prefetch: Threads (and files ahead) that download files before they are read.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], limit: int, prefetch: int) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.limit = limit
+        self.prefetch = prefetch
+        self.stats = CacheStats()
+        self._local = fsspec.filesystem("file")
+        self._mutex = threading.Lock()
+        self._over_marker = self.directory / ".over"
+        self._checked: dict[str, dict[str, Any]] = {}  # prefetched: url -> signature
+        self._pinned: dict[str, int] = {}  # prefetched: url -> fd of its shared lock
+        self._wanted: set[str] = set()
+        self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._held: set[int] = set()  # lock fds of the entries this object holds
+        _CACHES.add(self)
+
+    def path(self, url: str, suffix: str) -> Path:
+        key = hashlib.sha256(url.encode()).hexdigest()[:40]
+        return self.directory / f"{key}{suffix}"
+
+    # -- reading -------------------------------------------------------------------------
+
+    def open(self, url: str, fs: Any) -> IO[bytes]:
+        """``url`` opened from the cache, downloaded first unless a valid entry holds it;
+        decompressed by the URL's extension. Closing the file releases the entry.
+
+        Raises:
+            Exception: What ``fs`` raised (the caller turns it into a StorageError and
+                retries it).
+        """
+        started = time.perf_counter()
+        try:
+            with self._mutex:
+                signature = self._checked.pop(url, None)
+            if signature is None:
+                signature = _signature(fs.info(url))
+            if signature["size"] > self.limit:
+                self._count(misses=1)
+                logger.debug("%s: %d bytes, over the cache limit: streamed", url, signature["size"])
+                return fs.open(url, "rb", compression="infer")  # type: ignore[no-any-return]
+            fd, downloaded = self._hold(url, fs, signature)
+        finally:
+            waited = time.perf_counter() - started
+            with self._mutex:
+                self.stats.wait_seconds += waited
+        with self._mutex:
+            pinned = self._pinned.pop(url, None)
+            self._wanted.discard(url)
+        if pinned is not None:
+            self._drop(pinned)
+        self._count(misses=1 if downloaded else 0, hits=0 if downloaded else 1)
+        try:
+            files = self._open_local(url)
+        except BaseException:
+            self._drop(fd)
+            raise
+        return _HeldFile(files, functools.partial(self._release, fd))  # type: ignore[return-value]
+
+    def _drop(self, fd: int) -> None:
+        """Closes ``fd``, a held entry's lock, unless a fork already let it go here."""
+        with self._mutex:
+            if fd not in self._held:
+                return
+            self._held.discard(fd)
+        os.close(fd)
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: closes the child's copies of the parent's entry locks (the
+        parent keeps its own), so the child holds nothing it does not use."""
+        self._mutex = threading.Lock()
+        self._threads, self._pinned, self._checked, self._wanted = [], {}, {}, set()
+        self._jobs = queue.Queue()
+        held, self._held = self._held, set()
+        for fd in held:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _release(self, fd: int) -> None:
+        self._drop(fd)
+        if self._over_marker.exists():
+            self.evict()
+
+    def _open_local(self, url: str) -> tuple[IO[bytes], ...]:
+        """The entry's file, and the decompressed view of it when the URL names a
+        compression (both to close)."""
+        raw = self._local.open(str(self.path(url, ".data")), "rb")
+        compression = get_compression(url, "infer")
+        if compression is None:
+            return (raw,)
+        return compr[compression](raw, mode="rb"), raw
+
+    def _hold(self, url: str, fs: Any, signature: dict[str, Any]) -> tuple[int, bool]:
+        """A shared lock on a valid entry of ``url`` (its fd), and whether this call
+        downloaded it. The shared lock is taken first and kept, so no eviction removes
+        the entry between its download and its use."""
+        fd = os.open(self.path(url, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if self._valid(url, signature):
+                os.utime(self.path(url, ".data"))
+                with self._mutex:
+                    self._held.add(fd)
+                return fd, False
+            downloaded = False
+            with _flocked(self.path(url, ".download"), fcntl.LOCK_EX):
+                if not self._valid(url, signature):  # another may have downloaded it
+                    self._download(url, fs, signature)
+                    downloaded = True
+            if not self._valid(url, signature):
+                raise ConnectionError(f"{url} changed while it was being cached")
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._mutex:
+            self._held.add(fd)
+        return fd, downloaded
+
+    def _valid(self, url: str, signature: dict[str, Any]) -> bool:
+        try:
+            recorded = json.loads(self.path(url, ".json").read_text())
+            size = self.path(url, ".data").stat().st_size
+        except (OSError, ValueError):
+            return False
+        return bool(
+            recorded.get("url") == url
+            and {k: recorded.get(k) for k in signature} == signature
+            and size == signature["size"]
+        )
+
+    def _download(self, url: str, fs: Any, signature: dict[str, Any]) -> None:
+        """Downloads ``url`` into its entry (the caller holds its download lock)."""
+        data, sidecar = self.path(url, ".data"), self.path(url, ".json")
+        temp = self.directory / f".tmp-{data.stem}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            fs.get_file(url, str(temp))  # one GET on object stores (open would HEAD first)
+            with open(temp, "rb+") as out:
+                os.fsync(out.fileno())
+                got = os.fstat(out.fileno()).st_size
+            if got != signature["size"]:
+                raise ConnectionError(
+                    f"downloaded {got} bytes of {url}, whose size is {signature['size']}"
+                )
+            sidecar.unlink(missing_ok=True)
+            os.replace(temp, data)
+            with open(temp, "w") as out:
+                json.dump({"url": url, **signature}, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temp, sidecar)
+            self._sync_directory()
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        self._count(bytes_downloaded=got)
+        logger.debug("%s: %d bytes downloaded into %s", url, got, data)
+        self.evict()
+
+    def _sync_directory(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _count(self, **added: int) -> None:
+        with self._mutex:
+            for name, value in added.items():
+                setattr(self.stats, name, getattr(self.stats, name) + value)
+
+    # -- eviction ------------------------------------------------------------------------
+
+    def evict(self) -> None:
+        """Removes the least recently used entries no one holds until the folder's
+        entries take at most ``limit`` bytes (NOTE [ File cache ])."""
+        with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
+            entries = []
+            for data in self.directory.glob("*.data"):
+                with contextlib.suppress(OSError):
+                    stat = data.stat()
+                    entries.append((stat.st_mtime, stat.st_size, data))
+            total = sum(size for _, size, _ in entries)
+            for _, size, data in sorted(entries):
+                if total <= self.limit:
+                    break
+                if self._remove(data):
+                    total -= size
+            if total > self.limit:
+                self._over_marker.touch()
+            else:
+                self._over_marker.unlink(missing_ok=True)
+            now = time.time()
+            for temp in self.directory.glob(".tmp-*"):
+                with contextlib.suppress(OSError):
+                    if now - temp.stat().st_mtime > _STALE_TEMP_SECONDS:
+                        temp.unlink()
+
+    def _remove(self, data: Path) -> bool:
+        fd = os.open(data.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # a reader holds it
+            data.with_suffix(".json").unlink(missing_ok=True)
+            data.unlink(missing_ok=True)
+            logger.debug("evicted %s", data)
+            return True
+        finally:
+            os.close(fd)
+
+    # -- prefetching (NOTE [ Prefetching files ]) ----------------------------------------
+
+    def want(self, urls: list[str], fs_for: Callable[[str], Any]) -> None:
+        """Downloads ``urls`` (the next files of a stream) in the background."""
+        if self.prefetch == 0:
+            return
+        with self._mutex:
+            if self._closed:
+                return
+            fresh = [u for u in urls[: self.prefetch] if cacheable(u) and u not in self._wanted]
+            self._wanted.update(fresh)
+            for url in fresh:
+                self._jobs.put((url, fs_for))
+            self._threads = [t for t in self._threads if t.is_alive()]
+            for _ in range(min(self.prefetch, len(fresh)) - len(self._threads)):
+                thread = threading.Thread(target=self._work, name="cache-prefetch", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=_IDLE_SECONDS)
+            except queue.Empty:
+                return
+            if job is None:
+                return
+            url, fs_for = job
+            try:
+                self._fetch(url, fs_for(url))
+            except Exception as exc:  # the reader's own open retries and raises
+                logger.debug("prefetching %s failed: %r", url, exc)
+                with self._mutex:
+                    self._wanted.discard(url)
+
+    def _fetch(self, url: str, fs: Any) -> None:
+        signature = _signature(fs.info(url))
+        if signature["size"] > self.limit:
+            return
+        fd, downloaded = self._hold(url, fs, signature)
+        dropped = []
+        with self._mutex:
+            keep = not self._closed and url in self._wanted and url not in self._pinned
+            if keep:
+                self._pinned[url] = fd
+                self._checked[url] = signature
+                while len(self._pinned) > self.prefetch:  # never read: let it go
+                    oldest = next(iter(self._pinned))
+                    dropped.append(self._pinned.pop(oldest))
+                    self._checked.pop(oldest, None)
+                    self._wanted.discard(oldest)
+            if downloaded:
+                self.stats.prefetched += 1
+        if not keep:
+            dropped.append(fd)
+        for held in dropped:
+            self._drop(held)
+
+    def close(self) -> None:
+        """Stops the prefetch threads and releases the entries they hold; idempotent.
+        Files already opened stay readable."""
+        with self._mutex:
+            self._closed = True
+            while True:
+                try:
+                    self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+            for _ in self._threads:
+                self._jobs.put(None)
+            threads, self._threads = self._threads, []
+            pinned, self._pinned = self._pinned, {}
+            self._wanted.clear()
+            self._checked.clear()
+        for thread in threads:
+            thread.join(timeout=30)
+        for fd in pinned.values():
+            self._drop(fd)
