@@ -58,6 +58,7 @@ def test_datasets_all_is_sorted_and_pinned():
     assert datasets.__all__ == sorted(datasets.__all__)
     assert datasets.__all__ == [
         "Blend",
+        "CacheStats",
         "Cursor",
         "Filter",
         "IndexedDataset",

@@ -13,6 +13,7 @@ contract ] in ``cursor.py``).
 from .adapt import as_stage
 from .base import SavableDataset
 from .blend import Blend
+from .cache import CacheStats
 from .cursor import Cursor, StageState, TransformCursor
 from .filter import Filter
 from .indexed import IndexedDataset
@@ -30,6 +31,7 @@ from .transform import Transform
 
 __all__ = [
     "Blend",
+    "CacheStats",
     "Cursor",
     "Filter",
     "IndexedDataset",
