@@ -57,7 +57,7 @@ def _order(epoch: int) -> list[int]:
     from savable_loader.datasets import IndexedDataset
 
     cursor = IndexedDataset(range(N), shuffle=True).cursor(WorkerContext(0, 1, 0, 0, 0, None))
-    cursor.restore({"epoch": epoch, "pos": 0})
+    cursor.restore({"epoch": epoch, "pos": 0, "order": 2})
     return list(cursor)
 
 

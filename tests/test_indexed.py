@@ -21,7 +21,7 @@ def _shard(data, rank, world, worker, workers, batch, **kwargs):
 def _order(data, epoch, **kwargs):
     """The epoch's order on one rank: every index once."""
     shard = _shard(data, 0, 1, 0, 0, None, **kwargs)
-    shard.restore({"epoch": epoch, "pos": 0})
+    shard.restore({"epoch": epoch, "pos": 0, "order": 2})
     return list(shard)
 
 
@@ -49,7 +49,7 @@ def test_shards_cover_the_padded_or_cut_epoch_and_ranks_read_as_many(
                 shard = _shard(
                     data, rank, world, worker, workers, batch, shuffle=shuffle, seed=3, even=even
                 )
-                shard.restore({"epoch": epoch, "pos": 0})
+                shard.restore({"epoch": epoch, "pos": 0, "order": 2})
                 length_of_shard = shard.shard_length
                 items = list(shard)
                 assert len(items) == length_of_shard

@@ -87,7 +87,7 @@ def test_every_window_once_per_epoch_over_ranks_and_workers(
         for rank in range(2):
             for worker in range(3):
                 cursor = source.cursor(_context(rank, 2, worker, 3, batch))
-                cursor.restore({"epoch": epoch, "pos": 0})
+                cursor.restore({"epoch": epoch, "pos": 0, "order": 2})
                 items = [tuple(int(t) for t in item) for item in cursor]
                 seen.update(items)
                 order += items
