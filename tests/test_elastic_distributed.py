@@ -414,7 +414,7 @@ def test_the_rest_of_the_epoch_comes_once_and_the_next_epoch_is_a_fresh_runs(
         assert set(delivered) <= set(EPOCH)
         assert len(before) < sum(report["ref_items"] for report in saved)
         assert delivered.total() == sum(report["ref_items"] for report in saved), name
-    else:
+    elif before:  # nothing read of the epoch: a fresh run's on the new layout, checked below
         wrong = _unaccounted(delivered, resumed, save.ranks, [restore.ranks])
         assert not wrong, (
             f"{name}: epoch {resumed}: {len(before)} items before the save, {len(rest)} "
@@ -509,7 +509,10 @@ def test_a_save_with_one_rank_already_in_the_next_epoch_reshards_from_its_start(
             rest += _items(_epoch(loader))
         finally:
             loader.close()
-    assert Counter(head + rest) == EPOCH
+    # Epoch 1 of the 2-rank layout once (padded to an even count), plus what padding the
+    # rest for 3 ranks adds.
+    wrong = _unaccounted(Counter(head + rest), 1, 2, [3])
+    assert not wrong, wrong
     fresh = make(1, 2)
     try:
         epoch_1 = [_epoch(fresh) for _ in range(2)][1]
