@@ -4,10 +4,12 @@ loopback, each reporting one result; every wait is bounded."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import queue as queue_module
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -18,10 +20,26 @@ from typing import Any
 Job = Callable[[int, int, Path], Any]
 
 
+def _stacks_file(tmp: str, port: int, rank: int) -> Path:
+    return Path(tmp) / f".stacks-{port}-{rank}.txt"
+
+
 def _run_rank(
-    rank: int, world_size: int, port: int, job: Job, tmp: str, out: Any, block_sigchld: bool
+    rank: int,
+    world_size: int,
+    port: int,
+    job: Job,
+    tmp: str,
+    out: Any,
+    block_sigchld: bool,
+    timeout: float,
 ) -> None:
     import torch.distributed as dist
+
+    # A rank still running shortly before the parent gives up writes where it waits, so a
+    # hang reports its stacks instead of only its silence.
+    stacks = _stacks_file(tmp, port, rank).open("w")
+    faulthandler.dump_traceback_later(max(timeout - 3.0, 1.0), file=stacks)
 
     # Workers start as in a job launched by torchrun: forked (spawn would start each one
     # as a fresh interpreter importing torch, seconds per loader).
@@ -45,6 +63,9 @@ def _run_rank(
             dist.destroy_process_group()
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        stacks.close()
 
 
 def _free_port() -> int:
@@ -65,7 +86,7 @@ def run_ranks(
     processes = [
         context.Process(
             target=_run_rank,
-            args=(rank, world_size, port, job, str(tmp), out, block_sigchld),
+            args=(rank, world_size, port, job, str(tmp), out, block_sigchld, timeout),
         )
         for rank in range(world_size)
     ]
@@ -90,6 +111,13 @@ def run_ranks(
                 process.kill()
                 process.join(timeout=5.0)
         out.close()
+    for rank in sorted(set(range(world_size)) - set(reports)):
+        path = _stacks_file(str(tmp), port, rank)
+        text = path.read_text() if path.exists() else "(no stacks written)"
+        print(
+            f"rank {rank} did not report within {timeout} s; its threads then:\n{text}",
+            file=sys.stderr,
+        )
     return reports
 
 
