@@ -39,19 +39,18 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, ClassVar, Literal, TypeVar
 
-import fsspec
 import numpy as np
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import derive_seed
-from .cache import DEFAULT_CACHE_LIMIT, CacheStats, FileCache, cacheable
 from .cursor import validate_state
 from .elastic import ReshardPlan
+from .file_access import FileAccess
 from .file_rest import Rest, ShardState, reshard_files
 from .files import Urls, expand_urls, storage_errors
 from .index_order import Even, epoch_length
-from .retry import RetryPolicy, retrying
+from .retry import RetryPolicy
 from .sample_split import SampleState, Spans, reshard_samples
 from .stage import Stage
 
@@ -68,7 +67,7 @@ _COUNTING_THREADS = 8
 Split = Literal["samples", "files"]
 
 
-class ShardedSource(Stage[T]):
+class ShardedSource(FileAccess, Stage[T]):
     """Base of the sources that read a sorted list of files, sharded over streams.
 
     Args:
@@ -132,38 +131,19 @@ class ShardedSource(Stage[T]):
                 f'{name} even={even!r} applies to split="samples"; split="files" gives '
                 "whole files to streams and neither pads nor drops"
             )
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise ConfigError(f"{name} retry must be a RetryPolicy or None, got {retry!r}")
-        self.retry = retry
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise ConfigError(f"{name} storage_options must be a dict or None")
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self._filesystems: dict[str, Any] = {}
-        self._check_cache(cache_dir, cache_limit, prefetch)
-        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
-        self.cache_limit = DEFAULT_CACHE_LIMIT if cache_limit is None else cache_limit
-        self.prefetch = prefetch
-        self._cache: tuple[int, FileCache] | None = None
+        self.init_access(
+            retry=retry,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
+            prefetch=prefetch,
+        )
         self.urls = expand_urls(urls, self.storage_options, name)
         self.shuffle_shards = shuffle_shards
         self.seed = seed
         self.split: Split = split
         self.even: Even = even
         self._counts: tuple[int, ...] | None = None
-
-    def _check_cache(self, cache_dir: Any, cache_limit: Any, prefetch: Any) -> None:
-        name = type(self).__name__
-        if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
-            raise ConfigError(f"{name} cache_dir must be a path or None, got {cache_dir!r}")
-        if cache_limit is not None:
-            if isinstance(cache_limit, bool) or not isinstance(cache_limit, int):
-                raise ConfigError(f"{name} cache_limit must be an int or None, got {cache_limit!r}")
-            if cache_limit <= 0:
-                raise ConfigError(f"{name} cache_limit must be positive, got {cache_limit}")
-            if cache_dir is None:
-                raise ConfigError(f"{name} cache_limit={cache_limit} needs a cache_dir")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigError(f"{name} prefetch must be an int >= 0, got {prefetch!r}")
 
     def config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -199,10 +179,10 @@ class ShardedSource(Stage[T]):
 
             def count(url: str) -> int:
                 def once() -> int:
-                    with storage_errors(url), self.open(url) as file:
+                    with self.open(url) as file:
                         return self.count_items(file, url)
 
-                return retrying(url, once, lambda: None, self.retry)
+                return self.read_retrying(url, once)
 
             self.file_cache()  # one per process, before the threads share it
             threads = min(_COUNTING_THREADS, len(self.urls))
@@ -260,65 +240,6 @@ class ShardedSource(Stage[T]):
             f"rank{'s' * (ranks != 1)} (even={self.even!r}) leave every rank with an empty "
             f"epoch; {fix}"
         )
-
-    def open(self, url: str) -> IO[bytes]:
-        """Opens ``url`` for reading, decompressed by its extension.
-
-        One filesystem per protocol and process serves every file of this stage, so that
-        opening a file costs no new client (``skip_instance_cache`` included); a forked
-        worker builds its own (fsspec's async filesystems are not fork-safe).
-        With ``cache_dir``, a remote file is read from the node's cache, downloaded
-        first when needed (NOTE [ File cache ] in ``cache.py``).
-        """
-        if "::" in url:
-            return fsspec.open(url, "rb", compression="infer", **self.storage_options).open()  # type: ignore[no-any-return]
-        cache = self.file_cache()
-        if cache is not None and cacheable(url):
-            return cache.open(url, self.filesystem(url))
-        return self.filesystem(url).open(url, "rb", compression="infer")  # type: ignore[no-any-return]
-
-    def filesystem(self, url: str) -> Any:
-        """This process's fsspec filesystem for ``url``'s protocol."""
-        key = f"{os.getpid()}:{url.partition('://')[0] if '://' in url else 'file'}"
-        if key not in self._filesystems:
-            self._filesystems[key] = fsspec.url_to_fs(url, **self.storage_options)[0]
-        return self._filesystems[key]
-
-    def file_cache(self) -> FileCache | None:
-        """This process's view of the cache (None without ``cache_dir``), built when
-        first needed in every process."""
-        if self.cache_dir is None:
-            return None
-        if self._cache is None or self._cache[0] != os.getpid():
-            self._cache = (os.getpid(), FileCache(self.cache_dir, self.cache_limit, self.prefetch))
-        return self._cache[1]
-
-    def cache_stats(self) -> CacheStats | None:
-        """What this process's cache did so far (None without ``cache_dir``)."""
-        if self._cache is None or self._cache[0] != os.getpid():
-            return None
-        return self._cache[1].stats
-
-    def prefetch_files(self, urls: list[str]) -> None:
-        """Downloads ``urls``, the next files a stream reads, into the cache in the
-        background (NOTE [ Prefetching files ] in ``cache.py``); nothing without one."""
-        cache = self.file_cache()
-        if cache is not None and urls:
-            cache.want(urls, self.filesystem)
-
-    def close_cache(self) -> None:
-        """Stops this process's prefetch threads and logs its cache counters; the cache
-        is rebuilt if the stage reads again. Idempotent."""
-        if self._cache is not None and self._cache[0] == os.getpid():
-            cache, self._cache = self._cache[1], None
-            cache.close()
-            logger.debug("%s: cache %s", self.describe(), cache.stats)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_filesystems"] = {}  # rebuilt where the stage is read; the counts travel
-        state["_cache"] = None  # threads and locks are per process
-        return state
 
     def order(self, epoch: int) -> list[int]:
         """Indices into ``urls`` of the files of ``epoch``, in the epoch's order."""

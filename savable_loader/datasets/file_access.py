@@ -1,0 +1,157 @@
+"""How a source reaches its files: fsspec filesystems per process, retries, the cache.
+
+Every source that reads files (the file sources, ``TokenSource``, ``TableSource``) mixes
+:class:`FileAccess` in, so they share one meaning for ``retry``, ``storage_options``,
+``cache_dir``, ``cache_limit`` and ``prefetch``, and one set of methods a user calls on
+any of them: ``cache_stats()`` and ``close_cache()``. What the cache does is NOTE
+[ File cache ] in ``cache.py``; how a read is retried is NOTE [ Retries ] in
+``retry.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any, TypeVar
+
+import fsspec
+
+from ..errors import ConfigError
+from .cache import DEFAULT_CACHE_LIMIT, CacheStats, FileCache, cacheable
+from .files import storage_errors
+from .retry import RetryPolicy, retrying
+
+__all__ = ["FileAccess"]
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class FileAccess:
+    """Mixin: the files of a source, opened through fsspec, the node's cache and retries.
+
+    The owner calls :meth:`init_access` in its ``__init__`` and has ``describe()``
+    (every stage does). None of what this holds is part of the owner's ``config()``:
+    where and how the bytes are fetched does not change what is read.
+    """
+
+    retry: RetryPolicy | None
+    storage_options: dict[str, Any]
+    cache_dir: str | None
+    cache_limit: int
+    prefetch: int
+    _filesystems: dict[str, Any]
+    _cache: tuple[int, FileCache] | None
+
+    if TYPE_CHECKING:
+
+        def describe(self) -> str: ...  # every stage has it
+
+    def init_access(
+        self,
+        *,
+        retry: RetryPolicy | None,
+        storage_options: dict[str, Any] | None,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
+        prefetch: int,
+    ) -> None:
+        """Validates and keeps the access arguments.
+
+        Raises:
+            ConfigError: One of them is invalid; names the source and the argument.
+        """
+        name = type(self).__name__
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(f"{name} retry must be a RetryPolicy or None, got {retry!r}")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"{name} storage_options must be a dict or None")
+        if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+            raise ConfigError(f"{name} cache_dir must be a path or None, got {cache_dir!r}")
+        if cache_limit is not None:
+            if isinstance(cache_limit, bool) or not isinstance(cache_limit, int):
+                raise ConfigError(f"{name} cache_limit must be an int or None, got {cache_limit!r}")
+            if cache_limit <= 0:
+                raise ConfigError(f"{name} cache_limit must be positive, got {cache_limit}")
+            if cache_dir is None:
+                raise ConfigError(f"{name} cache_limit={cache_limit} needs a cache_dir")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"{name} prefetch must be an int >= 0, got {prefetch!r}")
+        self.retry = retry
+        self.storage_options = dict(storage_options or {})
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self.cache_limit = DEFAULT_CACHE_LIMIT if cache_limit is None else cache_limit
+        self.prefetch = prefetch
+        self._filesystems = {}
+        self._cache = None
+
+    def open(self, url: str) -> IO[bytes]:
+        """Opens ``url`` for reading, decompressed by its extension.
+
+        One filesystem per protocol and process serves every file of this source, so
+        that opening a file costs no new client (``skip_instance_cache`` included); a
+        forked worker builds its own (fsspec's async filesystems are not fork-safe).
+        With ``cache_dir``, a remote file is read from the node's cache, downloaded
+        first when needed (NOTE [ File cache ] in ``cache.py``).
+        """
+        if "::" in url:
+            return fsspec.open(url, "rb", compression="infer", **self.storage_options).open()  # type: ignore[no-any-return]
+        cache = self.file_cache()
+        if cache is not None and cacheable(url):
+            return cache.open(url, self.filesystem(url))
+        return self.filesystem(url).open(url, "rb", compression="infer")  # type: ignore[no-any-return]
+
+    def read_retrying(self, url: str, read: Callable[[], R]) -> R:
+        """``read()``, a read of ``url``, with storage errors as ``StorageError`` and
+        transient ones retried (NOTE [ Retries ] in ``retry.py``)."""
+
+        def once() -> R:
+            with storage_errors(url):
+                return read()
+
+        return retrying(url, once, lambda: None, self.retry)
+
+    def filesystem(self, url: str) -> Any:
+        """This process's fsspec filesystem for ``url``'s protocol."""
+        key = f"{os.getpid()}:{url.partition('://')[0] if '://' in url else 'file'}"
+        if key not in self._filesystems:
+            self._filesystems[key] = fsspec.url_to_fs(url, **self.storage_options)[0]
+        return self._filesystems[key]
+
+    def file_cache(self) -> FileCache | None:
+        """This process's view of the cache (None without ``cache_dir``), built when
+        first needed in every process."""
+        if self.cache_dir is None:
+            return None
+        if self._cache is None or self._cache[0] != os.getpid():
+            self._cache = (os.getpid(), FileCache(self.cache_dir, self.cache_limit, self.prefetch))
+        return self._cache[1]
+
+    def cache_stats(self) -> CacheStats | None:
+        """What this process's cache did so far (None without ``cache_dir``)."""
+        if self._cache is None or self._cache[0] != os.getpid():
+            return None
+        return self._cache[1].stats
+
+    def prefetch_files(self, urls: list[str]) -> None:
+        """Downloads ``urls``, the next files a stream reads, into the cache in the
+        background (NOTE [ Prefetching files ] in ``cache.py``); nothing without one."""
+        cache = self.file_cache()
+        if cache is not None and urls:
+            cache.want(urls, self.filesystem)
+
+    def close_cache(self) -> None:
+        """Stops this process's prefetch threads and logs its cache counters; the cache
+        is rebuilt if the source reads again. Idempotent."""
+        if self._cache is not None and self._cache[0] == os.getpid():
+            cache, self._cache = self._cache[1], None
+            cache.close()
+            logger.debug("%s: cache %s", self.describe(), cache.stats)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_filesystems"] = {}  # rebuilt where the source is read
+        state["_cache"] = None  # threads and locks are per process
+        return state
