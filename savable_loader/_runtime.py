@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import time
@@ -76,6 +77,8 @@ from ._events import (
 )
 from ._ring import CheckpointRing, Entry
 from .config import WorkerContext
+from .datasets.cache import CacheStats
+from .datasets.file_access import FileAccess
 from .datasets.stage import Stage
 from .errors import StateError, WorkerError
 from .plain import plain_copy
@@ -87,6 +90,7 @@ __all__ = [
     "WorkerStart",
     "epoch_rng_state",
     "epoch_seed",
+    "storage_stats",
 ]
 
 logger = logging.getLogger(__name__)
@@ -396,7 +400,10 @@ class PipelineRuntime:
         return failure.event()
 
     def close(self) -> None:
-        """Releases what the pipeline holds open (files)."""
+        """Releases what the pipeline holds open (files); logs the storage figures."""
+        storage = storage_stats(self.spec.root)
+        if storage is not None:
+            logger.debug("worker %d storage: %s", self.worker_id, storage)
         self.root.close()
 
     # -- checkpoints ----------------------------------------------------------------
@@ -450,9 +457,37 @@ class PipelineRuntime:
             "checkpoint_cost_s": self.ring.cost,
             "checkpoints_taken": self.ring.taken,
             "replayed": self.replayed,
+            "storage": storage_stats(self.spec.root),
             "checkpoint_bytes": (
                 len(msgpack.packb(self._checkpoint(ring[-1]).model_dump(), use_bin_type=True))
                 if ring
                 else 0
             ),
         }
+
+
+def storage_stats(root: Stage[Any]) -> dict[str, Any] | None:
+    """What the caches of the file sources under ``root`` did in this process, summed.
+
+    Every stage of the tree that mixes in ``FileAccess`` counts once (NOTE [ File cache ]
+    in ``datasets/cache.py``): ``bytes_downloaded``, ``hits``, ``misses``, ``prefetched``
+    and ``wait_seconds`` (seconds the readers waited on storage, in the cache's opens).
+    None when no such stage has a ``cache_dir`` and has read here yet: without a cache
+    nothing is counted.
+    """
+    total: CacheStats | None = None
+    seen: set[int] = set()
+    stages = [root]
+    while stages:
+        stage = stages.pop()
+        if id(stage) in seen:
+            continue
+        seen.add(id(stage))
+        stages.extend(stage.children)
+        stats = stage.cache_stats() if isinstance(stage, FileAccess) else None
+        if stats is None:
+            continue
+        total = total or CacheStats()
+        for name in (each.name for each in dataclasses.fields(CacheStats)):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+    return None if total is None else dataclasses.asdict(total)

@@ -346,7 +346,8 @@ class SavableDataLoader(DataLoader[Any]):
 
     def worker_stats(self) -> list[dict[str, Any]]:
         """Returns per-worker figures (checkpoints, their cost and size, ring entries,
-        events replayed at start-up); empty before the pipeline starts.
+        events replayed at start-up, and ``"storage"``: the worker's file cache figures,
+        ``_runtime.storage_stats``); empty before the pipeline starts.
 
         Raises:
             WorkerError: A worker is dead or did not answer within its command timeout.
