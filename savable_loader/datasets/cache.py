@@ -1,52 +1,50 @@
 """A node-local cache of remote files, shared by the workers and ranks of one node.
 
 NOTE [ File cache ]
-With ``cache_dir`` a file source downloads each remote file whole into that folder
-before reading it, and reads the local copy. An entry is three files named by the
-SHA-256 of the URL: ``<key>.data`` (the bytes as stored, still compressed),
-``<key>.json`` (the sidecar: the remote size and ETag or modification time that
-fsspec's ``info()`` gave, and the URL), and two ``fcntl.flock`` lock files, never
-deleted (unlinking a lock file races with its next user): ``<key>.lock``, held shared
-by the entry's users, and ``<key>.download``, held exclusively by its one writer.
+With ``cache_dir`` a file source downloads each remote file whole into that folder before
+reading it, and reads the local copy. An entry is three files named by the SHA-256 of the URL:
+``<key>.data`` (the bytes as stored, still compressed), ``<key>.json`` (the sidecar: the remote
+size and ETag or modification time that fsspec's ``info()`` gave, and the URL), and two
+``fcntl.flock`` lock files, never deleted (unlinking a lock file races with its next user):
+``<key>.lock``, held shared by the entry's users, and ``<key>.download``, held exclusively by
+its one writer.
 
-* An entry is valid when its sidecar exists and its size and ETag/mtime equal what
-  ``info()`` says now; a later open, in this process or another, after a restart too,
-  reads it without downloading. A changed remote file is downloaded again.
-* Writes are atomic: the bytes go to a temp file in the same folder, are fsynced and
-  renamed over ``<key>.data``; the sidecar is removed before and written (temp file,
-  rename) after, so a sidecar never describes a partial file. A download killed midway
-  leaves only a ``.tmp-*`` file, removed by a later eviction once an hour old.
-* Locks: a reader holds ``.lock`` shared from before it checks the entry until its file
-  is closed (a prefetched entry is held the same way until the reader opens it). A
-  download holds ``.download`` exclusively, so one process downloads and the others
-  wait and then read its copy; it replaces the data by a rename, which leaves readers
-  of an older copy reading their open file. An eviction takes ``.lock`` exclusively
-  without waiting and skips the entry if it cannot, so no file in use or just
-  downloaded is removed. Evictions run one at a time per folder (``.evict.lock``).
-* Eviction: after a download, and after a reader closes a file while the folder was
-  over ``cache_limit`` (a ``.over`` marker file says so), entries are removed least
-  recently used first (the data file's mtime, touched at every open) until the total
-  of the ``.data`` files is under the limit. Entries being read are kept, so the
-  folder may exceed the limit while more files are open than it holds, and falls back
-  once they are closed.
-* A file larger than ``cache_limit`` is not cached: it is streamed from the store as
-  without a cache (counted as a miss, not as downloaded bytes).
-* Files are opened from the cache with fsspec's local filesystem and decompressed by
-  the URL's extension, as ``compression="infer"`` does for the remote file.
+* An entry is valid when its sidecar exists and its size and ETag/mtime equal what ``info()``
+  says now; a later open, in this process or another, after a restart too, reads it without
+  downloading. A changed remote file is downloaded again.
+* Writes are atomic: the bytes go to a temp file in the same folder, are fsynced and renamed
+  over ``<key>.data``; the sidecar is removed before and written (temp file, rename) after, so a
+  sidecar never describes a partial file. A download killed midway leaves only a ``.tmp-*``
+  file, removed by a later eviction once an hour old.
+* Locks: a reader holds ``.lock`` shared from before it checks the entry until its file is
+  closed (a prefetched entry is held the same way until the reader opens it). A download holds
+  ``.download`` exclusively, so one process downloads and the others wait and then read its
+  copy; it replaces the data by a rename, which leaves readers of an older copy reading their
+  open file. An eviction takes ``.lock`` exclusively without waiting and skips the entry if it
+  cannot, so no file in use or just downloaded is removed. Evictions run one at a time per
+  folder (``.evict.lock``).
+* Eviction: after a download, and after a reader closes a file while the folder was over
+  ``cache_limit`` (a ``.over`` marker file says so), entries are removed least recently used
+  first (the data file's mtime, touched at every open) until the total of the ``.data`` files is
+  under the limit. Entries being read are kept, so the folder may exceed the limit while more
+  files are open than it holds, and falls back once they are closed.
+* A file larger than ``cache_limit`` is not cached: it is streamed from the store as without a
+  cache (counted as a miss, not as downloaded bytes).
+* Files are opened from the cache with fsspec's local filesystem and decompressed by the URL's
+  extension, as ``compression="infer"`` does for the remote file.
 
 NOTE [ Prefetching files ]
-``prefetch`` threads per process download the next files of a stream into the cache
-while the current one is read (``ShardCursor.upcoming`` names them). They only fill the
-cache: what is read, and from where, does not depend on them. Their errors are logged at
-DEBUG and dropped; the reader's own open downloads, retries and raises as without them.
-An entry a prefetch validated is held, and opened without asking ``info()`` again (at
-most ``prefetch`` per process: the oldest, never opened, is let go). The threads are
-daemons, exit after a second idle, stop at :meth:`FileCache.close`, and are rebuilt
-when needed. A forked child (a DataLoader worker) closes its copies of the locks its
+``prefetch`` threads per process download the next files of a stream into the cache while the
+current one is read (``ShardCursor.upcoming`` and NOTE [ Prefetching token files ] in
+``tokens.py`` name them). They only fill the cache: what is read, and from where, does not
+depend on them. Their errors are logged at DEBUG and dropped; the reader's own open downloads,
+retries and raises as without them. An entry a prefetch validated is held, and opened without
+asking ``info()`` again (at most ``prefetch`` per process: the oldest, never opened, is let go).
+The threads are daemons, exit after a second idle, stop at :meth:`FileCache.close`, and are
+rebuilt when needed. A forked child (a DataLoader worker) closes its copies of the locks its
 parent held, so that it keeps no entry from eviction that it does not use.
 
-This module is near 500 lines: the cache, its locks and its prefetch threads share
-state (held locks, pins) that would leak through module boundaries if split.
+Near 500 lines: the cache, its locks and its prefetch threads share held locks and pins.
 """
 
 from __future__ import annotations
@@ -181,6 +179,11 @@ class _HeldFile(io.BufferedIOBase):
 
     def tell(self) -> int:
         return self._file.tell()
+
+    def fileno(self) -> int:  # the cached data file's, when read as stored (a token map)
+        if len(self._files) > 1:
+            raise io.UnsupportedOperation("a decompressed file from the cache has no fileno")
+        return self._files[0].fileno()
 
     def close(self) -> None:
         if self.closed:
