@@ -218,7 +218,9 @@ def test_s3_a_shuffled_epoch_makes_requests_per_file_not_per_window(s3: S3, tmp_
         counted[name] = len(counter.calls)
         source.close_cache()
     assert counted["uncached"] >= windows
-    assert counted["cached"] <= 2 * len(SIZES)  # an info() and a GET per file
+    # A GET and an info() per file, and a second info() when the stream opens a file
+    # that a prefetch thread is still downloading.
+    assert counted["cached"] <= 3 * len(SIZES)
 
 
 # Retries.
@@ -231,6 +233,9 @@ class _Flaky:
     def __init__(self, fs: Any, fail: dict[str, set[int]]) -> None:
         self.fs, self.fail = fs, fail
         self.calls = dict.fromkeys(fail, 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fs, name)
 
     def _hit(self, name: str) -> None:
         self.calls[name] += 1
