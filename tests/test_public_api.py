@@ -72,6 +72,7 @@ def test_datasets_all_is_sorted_and_pinned():
         "Stage",
         "StageState",
         "StatefulDataset",
+        "TableSource",
         "TarSource",
         "TokenSource",
         "Transform",

@@ -25,6 +25,7 @@ from .retry import RetryPolicy
 from .shuffle import Shuffle
 from .stage import Stage
 from .stateful import StatefulDataset, from_stateful
+from .table import TableSource
 from .tar import TarSource
 from .tokens import TokenSource
 from .transform import Transform
@@ -45,6 +46,7 @@ __all__ = [
     "Stage",
     "StageState",
     "StatefulDataset",
+    "TableSource",
     "TarSource",
     "TokenSource",
     "Transform",

@@ -273,13 +273,12 @@ class IndexedCursor(Cursor[T]):
             raise StopIteration
         index = self.index(pos)
         self.pos = pos + 1
-        return self.stage.data[index]
+        return self.item(index)
 
     def take(self, n: int) -> list[T]:
         pos = self.pos
         stop = min(pos + n, self.shard_length)
-        data = self.stage.data
-        items = [data[index] for index in self._cached(pos, stop)]
+        items = [self.item(index) for index in self._cached(pos, stop)]
         self.pos = stop
         if stop - pos < n:
             self.end_epoch()
@@ -331,11 +330,23 @@ class IndexedCursor(Cursor[T]):
         stop = min(self.pos + n, length)
         if not self.stage.deterministic_items:
             for pos in range(self.pos, stop):
-                self.stage.data[self.index(pos)]
+                self.item(self.index(pos))
         passed, self.pos = stop - self.pos, stop
         if passed < n:
             self.end_epoch()
         return passed
+
+    def item(self, index: int) -> T:
+        """Reads item ``index`` of the dataset: the hook a source overrides to read
+        differently (``TableSource`` takes files fetched ahead)."""
+        return self.stage.data[index]
+
+    def upcoming(self, n: int, *, after: int = 0) -> list[int]:
+        """The dataset indices at this worker's next ``n`` positions in this epoch but the
+        first ``after`` (fewer near its end), without moving: what a source may read
+        ahead."""
+        stop = min(self.pos + n, self.shard_length)
+        return self._cached(min(self.pos + after, stop), stop)
 
     def index(self, pos: int) -> int:
         """The dataset index at position ``pos`` of this worker's shard in this epoch."""
