@@ -50,9 +50,7 @@ process cannot recompute, so these checkpoints always hold the generators' bytes
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
 import logging
 import os
 import time
@@ -77,8 +75,7 @@ from ._events import (
 )
 from ._ring import CheckpointRing, Entry
 from .config import WorkerContext
-from .datasets.cache import CacheStats
-from .datasets.file_access import FileAccess
+from .datasets.file_access import storage_stats
 from .datasets.stage import Stage
 from .errors import StateError, WorkerError
 from .plain import plain_copy
@@ -90,7 +87,6 @@ __all__ = [
     "WorkerStart",
     "epoch_rng_state",
     "epoch_seed",
-    "storage_stats",
 ]
 
 logger = logging.getLogger(__name__)
@@ -271,9 +267,32 @@ class PipelineRuntime:
             )
         self._replay_target = start.delivered
 
-    def _scope(self) -> contextlib.AbstractContextManager[Any]:
-        """The pipeline's own generators in the main process; nothing in a worker."""
-        return self.generators if self.generators is not None else contextlib.nullcontext()
+    def _scope(self) -> rng.Scope:
+        """This runtime made the active seedings (NOTE [ Seeded windows ] in ``rng.py``)
+        and, in the main process, the pipeline's own generators applied."""
+        return rng.Scope(self, self.generators)
+
+    def epoch_of(self, snapshot: rng.RngSnapshot) -> int | None:
+        """The epoch whose untouched seeding ``snapshot`` equals (NOTE [ Seeded windows ]
+        in ``rng.py``), or None."""
+        seeded = self._seeded
+        return seeded.snapshot.seeded_epoch if seeded and seeded.matches(snapshot) else None
+
+    def seeded_for(self, epoch: int) -> rng.RngSnapshot:
+        """This worker's generators as seeded for ``epoch``, the process's left alone.
+
+        Raises:
+            StateError: The generators are seeded as torch seeds them: no epoch says what
+                they are (a state saved without ``generator=`` restored with it).
+        """
+        if self.torch_seeded is not None:
+            raise StateError(
+                f"worker {self.worker_id}: the state names the generators as seeded for "
+                f"epoch {epoch}, but this loader seeds them from its generator=; restore "
+                "it into a loader built as the one that saved it"
+            )
+        seed = epoch_seed(self.spec.seed, self.spec.rank, self.worker_id, epoch)
+        return rng.OwnGenerators.seeded(seed).snapshot
 
     # -- events ---------------------------------------------------------------------
 
@@ -464,30 +483,3 @@ class PipelineRuntime:
                 else 0
             ),
         }
-
-
-def storage_stats(root: Stage[Any]) -> dict[str, Any] | None:
-    """What the caches of the file sources under ``root`` did in this process, summed.
-
-    Every stage of the tree that mixes in ``FileAccess`` counts once (NOTE [ File cache ]
-    in ``datasets/cache.py``): ``bytes_downloaded``, ``hits``, ``misses``, ``prefetched``
-    and ``wait_seconds`` (seconds the readers waited on storage, in the cache's opens).
-    None when no such stage has a ``cache_dir`` and has read here yet: without a cache
-    nothing is counted.
-    """
-    total: CacheStats | None = None
-    seen: set[int] = set()
-    stages = [root]
-    while stages:
-        stage = stages.pop()
-        if id(stage) in seen:
-            continue
-        seen.add(id(stage))
-        stages.extend(stage.children)
-        stats = stage.cache_stats() if isinstance(stage, FileAccess) else None
-        if stats is None:
-            continue
-        total = total or CacheStats()
-        for name in (each.name for each in dataclasses.fields(CacheStats)):
-            setattr(total, name, getattr(total, name) + getattr(stats, name))
-    return None if total is None else dataclasses.asdict(total)

@@ -25,6 +25,16 @@ state is. The first difference ends the comparisons until the next seeding: from
 on the checkpoints of that epoch hold bytes. The comparison costs a few microseconds on
 top of the capture the checkpoint takes anyway.
 
+NOTE [ Seeded windows ]
+A stage that keeps the generators' states for a later re-read (``Shuffle`` keeps them at
+each window's start) would put those ~10 KB into every state too. While a runtime runs
+its pipeline it is the active :class:`Seedings` (:class:`Scope`), which tells whether a
+capture equals its generators as seeded for an epoch and still untouched (the same exact
+comparison as NOTE [ Untouched generators ]) and rebuilds that seeding on demand. Such a
+stage keeps the epoch instead of the bytes (:func:`seeded_epoch_of`) and, on restore,
+asks the active runtime for those generators again (:func:`seeded_for`); outside a
+runtime, or once something drew, it keeps the bytes as before.
+
 NOTE [ Own generators ]
 Some pipelines read under generator states of their own rather than the process's: the
 whole pipeline without workers (NOTE [ No workers ] in ``_runtime.py``), a replay in the
@@ -43,12 +53,13 @@ training loop's own draws cannot change the data stream.
 from __future__ import annotations
 
 import array
+import contextvars
 import ctypes
 import dataclasses
 import random
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -58,11 +69,15 @@ from .state.models import RngState
 __all__ = [
     "OwnGenerators",
     "RngSnapshot",
+    "Scope",
     "Seeded",
+    "Seedings",
     "apply",
     "capture",
     "derive_seed",
     "seed_globals",
+    "seeded_epoch_of",
+    "seeded_for",
 ]
 
 _PY_STATE_VERSION = 3
@@ -160,14 +175,24 @@ def apply(snapshot: RngSnapshot) -> None:
 
 
 class OwnGenerators:
-    """Generator states kept apart from the process's (NOTE [ Own generators ]).
+    """Generator states kept apart from the process's (NOTE [ Seeded windows ]
+    A stage that keeps the generators' states for a later re-read (``Shuffle`` keeps them at
+    each window's start) would put those ~10 KB into every state too. While a runtime runs
+    its pipeline it is the active :class:`Seedings` (:class:`Scope`), which tells whether a
+    capture equals its generators as seeded for an epoch and still untouched (the same exact
+    comparison as NOTE [ Untouched generators ]) and rebuilds that seeding on demand. Such a
+    stage keeps the epoch instead of the bytes (:func:`seeded_epoch_of`) and, on restore,
+    asks the active runtime for those generators again (:func:`seeded_for`); outside a
+    runtime, or once something drew, it keeps the bytes as before.
 
-    ``with generators:`` applies :attr:`snapshot` to the three global generators; on
-    leaving, :attr:`snapshot` becomes what they hold then, and the states they held
-    before are applied again. Not reentrant.
+    NOTE [ Own generators ]).
 
-    Args:
-        snapshot: The states to start from.
+        ``with generators:`` applies :attr:`snapshot` to the three global generators; on
+        leaving, :attr:`snapshot` becomes what they hold then, and the states they held
+        before are applied again. Not reentrant.
+
+        Args:
+            snapshot: The states to start from.
     """
 
     __slots__ = ("_outer", "snapshot")
@@ -200,6 +225,58 @@ class OwnGenerators:
         if outer is not None:
             self.snapshot = capture()
             apply(outer)
+
+
+class Seedings(Protocol):
+    """What a runtime tells of its generators' seedings (NOTE [ Seeded windows ])."""
+
+    def epoch_of(self, snapshot: RngSnapshot) -> int | None:
+        """The epoch whose untouched seeding ``snapshot`` equals, or None."""
+
+    def seeded_for(self, epoch: int) -> RngSnapshot:
+        """The generators as seeded for ``epoch``; the process's are left as they are."""
+
+
+_ACTIVE: contextvars.ContextVar[Seedings | None] = contextvars.ContextVar(
+    "savable_loader_seedings", default=None
+)
+
+
+class Scope:
+    """``with Scope(seedings, generators):`` makes ``seedings`` active (NOTE [ Seeded
+    windows ]) and applies ``generators`` (None: the process's own) for the block."""
+
+    __slots__ = ("_generators", "_seedings", "_token")
+
+    def __init__(self, seedings: Seedings, generators: OwnGenerators | None) -> None:
+        self._seedings = seedings
+        self._generators = generators
+        self._token: contextvars.Token[Seedings | None] | None = None
+
+    def __enter__(self) -> Scope:
+        self._token = _ACTIVE.set(self._seedings)
+        if self._generators is not None:
+            self._generators.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._generators is not None:
+            self._generators.__exit__(*exc)
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+
+
+def seeded_epoch_of(snapshot: RngSnapshot) -> int | None:
+    """The epoch whose untouched seeding by the active runtime ``snapshot`` equals; None
+    outside a runtime or when it differs (NOTE [ Seeded windows ])."""
+    seedings = _ACTIVE.get()
+    return None if seedings is None else seedings.epoch_of(snapshot)
+
+
+def seeded_for(epoch: int) -> RngSnapshot | None:
+    """The active runtime's generators as seeded for ``epoch``; None outside a runtime."""
+    seedings = _ACTIVE.get()
+    return None if seedings is None else seedings.seeded_for(epoch)
 
 
 class _PythonGlobalState:

@@ -238,3 +238,76 @@ def test_inspect_shows_which_workers_saved_generator_bytes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "generators" in out
     assert "seeded for epoch 0" in out
+
+
+# -- a shuffle's window generators (NOTE [ Seeded windows ] in rng.py) ---------------------
+
+
+def _shuffled(dataset: Any, num_workers: int, *, buffer_size: int = 4) -> SavableDataLoader:
+    from savable_loader.datasets import IndexedDataset
+
+    stage = IndexedDataset(dataset).shuffle(buffer_size=buffer_size, seed=3)
+    return SavableDataLoader(stage, batch_size=BATCH, num_workers=num_workers, worker_config=DENSE)
+
+
+def _windows(state: RankState) -> list[dict[str, Any]]:
+    """The Shuffle's own state of every worker that holds a checkpoint."""
+    return [c.state["parent"] for c in _checkpoints(state)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shuffle_over_a_plain_dataset_saves_no_generator_bytes(num_workers):
+    with _shuffled(Plain(), num_workers) as loader:
+        states = _states_along(loader, epochs=2)
+    windows = [window for state in states for window in _windows(state)]
+    assert any(window["window"] > 0 for window in windows), "several windows were read"
+    for window in windows:
+        assert window["rng"] is None
+        if window["window"] or window["emitted"]:
+            assert window["seeded_epoch"] == window["epoch"]
+    for state in states:
+        assert max(_worker_sizes(state)) < SMALL, _worker_sizes(state)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shuffle_over_a_plain_dataset_resumes_exactly_at_every_point(num_workers):
+    total = 2 * (N // BATCH)
+    assert_resumes_exactly(
+        lambda: _shuffled(Plain(), num_workers), epochs=2, points=range(total + 1)
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shuffle_over_draws_keeps_bytes_once_drawn_and_resumes_exactly(num_workers):
+    """Draws from item 8 on: windows that start before the first draw name the epoch,
+    later ones hold the generators' bytes; a restore at every point is exact."""
+    with _shuffled(Draws(start=8), num_workers) as loader:
+        states = _states_along(loader, epochs=2)
+    windows = [window for state in states for window in _windows(state)]
+    assert any(window.get("seeded_epoch") is not None for window in windows)
+    assert any(window["rng"] is not None for window in windows)
+    total = 2 * (N // BATCH)
+    assert_resumes_exactly(
+        lambda: _shuffled(Draws(start=8), num_workers), epochs=2, points=range(total + 1)
+    )
+
+
+def test_a_shuffle_state_with_bytes_and_an_epoch_is_refused():
+    from savable_loader import StateError
+
+    with _shuffled(Draws(start=8), 0) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        plain = loader.save_state_rank().to_plain()
+        for _ in range(6):  # 14 items: the fourth window began after draws
+            next(iterator)
+        later = loader.save_state_rank().to_plain()
+    window = plain["workers"][0]["checkpoint"]["state"]["parent"]
+    drawn = later["workers"][0]["checkpoint"]["state"]["parent"]
+    assert window["seeded_epoch"] == 0
+    assert drawn["rng"] is not None
+    window["rng"] = drawn["rng"]
+    with _shuffled(Draws(start=8), 0) as restored:
+        restored.restore_state_rank(plain)
+        with pytest.raises(StateError, match="both rng and seeded_epoch"):
+            next(iter(restored))

@@ -10,6 +10,7 @@ any of them: ``cache_stats()`` and ``close_cache()``. What the cache does is NOT
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -21,8 +22,9 @@ from ..errors import ConfigError
 from .cache import DEFAULT_CACHE_LIMIT, CacheStats, FileCache, cacheable
 from .files import storage_errors
 from .retry import RetryPolicy, retrying
+from .stage import Stage
 
-__all__ = ["FileAccess"]
+__all__ = ["FileAccess", "storage_stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +157,30 @@ class FileAccess:
         state["_filesystems"] = {}  # rebuilt where the source is read
         state["_cache"] = None  # threads and locks are per process
         return state
+
+
+def storage_stats(root: Stage[Any]) -> dict[str, Any] | None:
+    """What the caches of the file sources under ``root`` did in this process, summed.
+
+    Every stage of the tree that mixes in ``FileAccess`` counts once (NOTE [ File cache ]
+    in ``cache.py``): ``bytes_downloaded``, ``hits``, ``misses``, ``prefetched``
+    and ``wait_seconds`` (seconds the readers waited on storage, in the cache's opens).
+    None when no such stage has a ``cache_dir`` and has read here yet: without a cache
+    nothing is counted.
+    """
+    total: CacheStats | None = None
+    seen: set[int] = set()
+    stages = [root]
+    while stages:
+        stage = stages.pop()
+        if id(stage) in seen:
+            continue
+        seen.add(id(stage))
+        stages.extend(stage.children)
+        stats = stage.cache_stats() if isinstance(stage, FileAccess) else None
+        if stats is None:
+            continue
+        total = total or CacheStats()
+        for name in (each.name for each in dataclasses.fields(CacheStats)):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+    return None if total is None else dataclasses.asdict(total)

@@ -19,7 +19,10 @@ stage drawing from the global generators draws exactly what it drew the first ti
 applies the captured states back and drops the items already emitted. A restore re-reads
 at most ``buffer_size`` parent items (plus the parent's end-of-epoch signal when the
 window was the epoch's last). Capturing the generators costs a few microseconds per
-window; they weigh ~10 KB in a saved state.
+window. They weigh ~10 KB in a saved state, unless they were still as the loader seeded
+them for an epoch (nothing drew from them): the state then names that epoch
+(``seeded_epoch``) and a restore seeds them again (NOTE [ Seeded windows ] in
+``rng.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,14 @@ class _State(StageState):
     window: int = Field(ge=0, description="Index of the current window in the epoch.")
     emitted: int = Field(ge=0, description="Items of the current window already emitted.")
     rng: RngState | None = Field(
-        description="Global generators at the window start; None: no window read yet."
+        description="Global generators at the window start; None: no window read yet, "
+        "or seeded_epoch says what they were."
+    )
+    seeded_epoch: int | None = Field(
+        default=None,
+        ge=0,
+        description="The generators at the window start were as the loader seeded them "
+        "for this epoch (NOTE [ Seeded windows ]); None: rng holds them.",
     )
 
 
@@ -124,8 +134,9 @@ class _ShuffleCursor(TransformCursor[T]):
     def _reset(self, epoch: int) -> None:
         self.epoch, self.window, self.emitted = epoch, 0, 0
         self._start: Any = None  # the restore point; None: no window read in this epoch
-        # The generators at the window start; converted to RngState when a state asks.
-        self._rng: rng.RngSnapshot | RngState | None = None
+        # The generators at the window start; converted to RngState when a state asks,
+        # or the epoch they were seeded for (NOTE [ Seeded windows ] in rng.py).
+        self._rng: rng.RngSnapshot | RngState | int | None = None
         self._items: list[T] = []
         self._order: list[int] = []
         self._parent_ended = False
@@ -140,7 +151,9 @@ class _ShuffleCursor(TransformCursor[T]):
             if self._parent_ended:
                 self._end()
             self.window += 1
-        self._rng = rng.capture()
+        snapshot = rng.capture()
+        seeded = rng.seeded_epoch_of(snapshot)
+        self._rng = snapshot if seeded is None else seeded
         self._start = copy.deepcopy(self.parent.state())
         self.emitted = 0
         self._read()
@@ -176,6 +189,14 @@ class _ShuffleCursor(TransformCursor[T]):
         restore point ]); the parent already stands at the restore point."""
         self._pending = False
         start = self._rng
+        if isinstance(start, int):
+            seeded = rng.seeded_for(start)
+            if seeded is None:
+                raise StateError(
+                    f"Shuffle: the state names the generators as seeded for epoch {start}; "
+                    "only a loader's worker can seed them again: restore it into the loader"
+                )
+            start = seeded
         if start is None:
             self._read()
         else:
@@ -199,18 +220,22 @@ class _ShuffleCursor(TransformCursor[T]):
             return {"epoch": self.epoch, "window": 0, "emitted": 0, "rng": None}
         if isinstance(self._rng, rng.RngSnapshot):
             self._rng = self._rng.to_state()
-        return {
-            "epoch": self.epoch,
-            "window": self.window,
-            "emitted": self.emitted,
-            "rng": None if self._rng is None else self._rng.model_dump(),
-        }
+        state: dict[str, Any] = {"epoch": self.epoch, "window": self.window}
+        state["emitted"] = self.emitted
+        if isinstance(self._rng, int):
+            state.update(rng=None, seeded_epoch=self._rng)
+        else:
+            state["rng"] = None if self._rng is None else self._rng.model_dump()
+        return state
 
     def restore_own(self, state: Any | None) -> None:
         if not isinstance(state, _State):
             self._reset(epoch=0)
             return
-        if state.rng is None and (state.window or state.emitted):
+        if state.rng is not None and state.seeded_epoch is not None:
+            raise StateError("Shuffle: malformed state (both rng and seeded_epoch are set)")
+        generators = state.rng if state.seeded_epoch is None else state.seeded_epoch
+        if generators is None and (state.window or state.emitted):
             raise StateError("Shuffle: malformed state (a window without its generators)")
         if state.emitted > self.buffer_size:
             raise StateError(
@@ -218,10 +243,10 @@ class _ShuffleCursor(TransformCursor[T]):
                 f"is {self.buffer_size}; restore with the buffer_size it was saved with"
             )
         self._reset(epoch=state.epoch)
-        if state.rng is not None:
+        if generators is not None:
             # The parent was just restored to the window's start: that is the restore point.
             self._start = self.parent.state()
-            self.window, self.emitted, self._rng = state.window, state.emitted, state.rng
+            self.window, self.emitted, self._rng = state.window, state.emitted, generators
             self._pending = True
 
     def end_epoch(self) -> None:
