@@ -46,6 +46,8 @@ LOWEST_TEST = (
     "botocore==1.41.5",
     # The parquet extra's lowest: its cp311 wheels are built against NumPy 1, as LOWEST's.
     "pyarrow==14.0.1",
+    # The lightning extra's lowest; it resolves beside torch 2.4 and NumPy 1.24.
+    "lightning==2.4.0",
 )
 LINT_PATHS = ("savable_loader", "tests", "benchmarks", "examples", "noxfile.py")
 

@@ -1,0 +1,225 @@
+"""PyTorch Lightning: a loader whose position rides in the ``Trainer``'s own checkpoint.
+
+Install with the ``lightning`` extra (``pip install savable-loader[lightning]``). Return a
+:class:`LightningSavableDataLoader` from ``train_dataloader()`` and pass
+:class:`SavableLoaderCallback` to the ``Trainer``; ``trainer.fit(..., ckpt_path="last")``
+then resumes the data stream exactly, on one process or with ``strategy="ddp"``.
+
+NOTE [ What Lightning does with a stateful loader ]
+Lightning (2.x) treats any train loader with ``state_dict()`` and ``load_state_dict()`` as
+resumable: every rank calls ``state_dict()`` while it builds a checkpoint, and on a
+resume that stopped mid-epoch it calls ``load_state_dict()`` before iterating. It does
+not skip batches itself. Four things do not fit ``SavableDataLoader`` as it is:
+
+1. Only global rank 0 writes the checkpoint, so rank 1's ``{"rank_1": ...}`` is lost and
+   rank 1 would get rank 0's entry on resume. ``state_dict()`` here gathers every rank's
+   entry (``all_gather_object`` over the loader's group: every rank builds the
+   checkpoint, so every rank is there), and ``load_state_dict()`` takes its own.
+2. A loader with a length is read ``len(loader)`` times per epoch: Lightning never asks
+   for the item after the last, so the loader never sees the epoch end, and the next
+   ``iter()`` would continue the finished epoch (NOTE [ Iterators continue the stream ]
+   in ``_iterator.py``), which has nothing left: an empty epoch. Here the first
+   ``next()`` of an iterator that finds its epoch already exhausted moves on to the next
+   epoch, as a new iterator of torch's ``DataLoader`` would. The iterator starts the
+   stream at that first ``next()``, not at ``iter()``: Lightning calls ``iter()`` before
+   it sets the sampler's epoch and before a restore made by the callback.
+3. A checkpoint taken at the end of an epoch (the ``ModelCheckpoint`` default) is not a
+   "restart" for Lightning, which then never calls ``load_state_dict()``: the loader
+   would begin again at its first epoch. :class:`SavableLoaderCallback` takes the states
+   from the checkpoint and restores the loaders Lightning left alone, at
+   ``on_train_start``, before the first batch.
+4. Lightning calls ``set_epoch`` on ``loader.sampler``, which for a ``DataLoader`` over
+   the worker wrapper is torch's endless placeholder sampler. Here ``sampler`` is a
+   placeholder that passes ``set_epoch`` on to the sampler you gave (a
+   ``DistributedSampler`` with ``use_distributed_sampler=False``).
+
+Lightning never re-creates the loader to inject a ``DistributedSampler``: its ``dataset``
+is the worker wrapper, an ``IterableDataset``, which Lightning leaves as it is; the loader
+shards by rank itself, with ``use_distributed_sampler`` True or False.
+
+A loader without a length (an ``IterableDataset`` that does not know its size) is read
+one batch ahead by Lightning's fetcher, so a checkpoint's state stands one batch past the
+last trained batch and a resume skips that batch: give the dataset a ``__len__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import SavableLoaderError
+from ..loader import SavableDataLoader
+
+try:
+    import lightning.pytorch as pl
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "savable_loader.integrations.lightning needs PyTorch Lightning: "
+        "pip install 'savable-loader[lightning]'"
+    ) from error
+
+__all__ = ["LightningSavableDataLoader", "SavableLoaderCallback"]
+
+
+class _EpochSampler:
+    """The placeholder sampler torch reads for an iterable dataset (``None`` forever),
+    which passes ``set_epoch`` on to the sampler the loader reads (NOTE [ What Lightning
+    does with a stateful loader ], item 4)."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __iter__(self) -> Iterator[None]:
+        while True:
+            yield None
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.target, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+class _EpochIterator:
+    """An iterator that starts at its first ``next()`` and moves past an epoch it finds
+    exhausted (NOTE [ What Lightning does with a stateful loader ], item 2)."""
+
+    def __init__(self, loader: LightningSavableDataLoader) -> None:
+        self._loader = loader
+        self._inner: Iterator[Any] | None = None
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._inner is not None:
+            return next(self._inner)
+        self._inner = SavableDataLoader.__iter__(self._loader)
+        try:
+            return next(self._inner)
+        except StopIteration:
+            self._inner = SavableDataLoader.__iter__(self._loader)
+            return next(self._inner)
+
+
+class LightningSavableDataLoader(SavableDataLoader):
+    """A :class:`~savable_loader.SavableDataLoader` for PyTorch Lightning's ``Trainer``.
+
+    Takes the same arguments. Its state goes into Lightning's checkpoint with every
+    rank's entry, each ``iter()`` gives an epoch as Lightning reads it, and
+    ``sampler.set_epoch`` reaches the sampler you passed (NOTE [ What Lightning does with
+    a stateful loader ]). Use it with :class:`SavableLoaderCallback`.
+
+    Raises:
+        ConfigError: As :class:`~savable_loader.SavableDataLoader`.
+    """
+
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        planner = self._planner
+        target = None if planner is None else planner.sampler
+        # DataLoader guards ``sampler`` after __init__; torch's iterator only iterates it.
+        object.__setattr__(self, "sampler", _EpochSampler(target))
+        #: Whether Lightning restored this loader itself (the callback leaves it then).
+        self.restored_by_trainer = False
+
+    def __iter__(self) -> _EpochIterator:  # type: ignore[override]
+        """Returns an iterator over one epoch as Lightning reads it (item 2 of the NOTE)."""
+        self._check_usable()
+        return _EpochIterator(self)
+
+    def state_dict(self) -> dict[str, bytes]:
+        """Returns every rank's state, ``{"rank_<r>": <encoded state>, ...}``.
+
+        A collective over the loader's ``data_parallel_group`` when ``torch.distributed``
+        is initialized with more than one rank: Lightning calls it on every rank while
+        it builds a checkpoint.
+
+        Raises:
+            SavableLoaderError: Saving failed on some rank (every rank raises, naming it).
+        """
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return super().state_dict()
+        mine: dict[str, bytes] | str
+        try:
+            mine = super().state_dict()
+        except Exception as error:  # reported to every rank, so that no rank waits
+            mine = f"rank {self.rank}: {type(error).__name__}: {error}"
+        group = self.worker_config.data_parallel_group
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        failed = [entry for entry in gathered if isinstance(entry, str)]
+        if failed:
+            raise SavableLoaderError(f"saving the loader's state failed: {'; '.join(failed)}")
+        merged: dict[str, bytes] = {}
+        for entry in gathered:
+            merged.update(entry)
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores this rank's entry of what :meth:`state_dict` returned.
+
+        Raises:
+            StateError: As :meth:`SavableDataLoader.load_state_dict`.
+        """
+        super().load_state_dict(state_dict)
+        self.restored_by_trainer = True
+
+
+def _stateful_train_loaders(trainer: pl.Trainer) -> list[Any]:
+    """The train loaders with a state, in the order Lightning saves their states."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    loaders = trainer.train_dataloader
+    if loaders is None:
+        return []
+    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)
+    flat = combined.flattened
+    return [
+        loader
+        for loader in flat
+        if callable(getattr(loader, "state_dict", None))
+        and callable(getattr(loader, "load_state_dict", None))
+    ]
+
+
+class SavableLoaderCallback(pl.Callback):
+    """Restores :class:`LightningSavableDataLoader` states Lightning does not restore.
+
+    Lightning restores a train loader's state only when the checkpoint stopped mid-epoch;
+    from a checkpoint taken at an epoch's end it starts the loader afresh (item 3 of
+    NOTE [ What Lightning does with a stateful loader ]). This callback reads the states
+    from the checkpoint and restores those loaders before the first batch.
+    """
+
+    def __init__(self) -> None:
+        self._states: list[Any] | None = None
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Keeps the loader states of ``checkpoint`` for :meth:`on_train_start`."""
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        self._states = fit_loop.get("combined_loader") or None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Restores the loaders Lightning left at their start.
+
+        Raises:
+            SavableLoaderError: The checkpoint holds another number of loader states than
+                the train loaders with a state.
+        """
+        states, self._states = self._states, None
+        if states is None:
+            return
+        loaders = _stateful_train_loaders(trainer)
+        if len(loaders) != len(states):
+            raise SavableLoaderError(
+                f"the checkpoint holds {len(states)} loader states but the trainer has "
+                f"{len(loaders)} train loaders with a state; return the same loaders as "
+                "the run that saved it"
+            )
+        for loader, state in zip(loaders, states, strict=True):
+            if isinstance(loader, LightningSavableDataLoader) and not loader.restored_by_trainer:
+                loader.load_state_dict(state)
