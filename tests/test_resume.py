@@ -86,7 +86,7 @@ def test_three_epochs_with_four_workers_and_many_points():
     report = assert_resumes_exactly(
         _build(lambda: RandomCounter(9, uneven=True), batch_size=2, num_workers=4),
         epochs=3,
-        num_points=12,
+        num_points=8,
         chain_items=(1, 2, 5),
     )
     assert report.chains > 0

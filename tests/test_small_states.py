@@ -202,7 +202,7 @@ def test_with_a_generator_the_stream_resumes_exactly(num_workers):
     assert_resumes_exactly(build(Plain), epochs=3, num_points=6, last_items=True)
     # With workers, a save right after iter() of epoch 1 used to catch a new worker before
     # it applied torch's seeding (NOTE [ Torch's worker seeds ]): 5 of 6 runs diverged.
-    for _ in range(3 if num_workers else 1):
+    for _ in range(2 if num_workers else 1):
         assert_resumes_exactly(build(lambda: Draws(start=8)), epochs=2, num_points=6)
 
 
@@ -270,11 +270,11 @@ def test_a_shuffle_over_a_plain_dataset_saves_no_generator_bytes(num_workers):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_shuffle_over_a_plain_dataset_resumes_exactly_at_every_point(num_workers):
+def test_a_shuffle_over_a_plain_dataset_resumes_exactly(num_workers):
+    """Every point without workers; with workers, the odd ones (every window, mid-way)."""
     total = 2 * (N // BATCH)
-    assert_resumes_exactly(
-        lambda: _shuffled(Plain(), num_workers), epochs=2, points=range(total + 1)
-    )
+    points = range(total + 1) if num_workers == 0 else range(1, total + 1, 2)
+    assert_resumes_exactly(lambda: _shuffled(Plain(), num_workers), epochs=2, points=points)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -287,9 +287,8 @@ def test_a_shuffle_over_draws_keeps_bytes_once_drawn_and_resumes_exactly(num_wor
     assert any(window.get("seeded_epoch") is not None for window in windows)
     assert any(window["rng"] is not None for window in windows)
     total = 2 * (N // BATCH)
-    assert_resumes_exactly(
-        lambda: _shuffled(Draws(start=8), num_workers), epochs=2, points=range(total + 1)
-    )
+    points = range(total + 1) if num_workers == 0 else range(1, total + 1, 2)
+    assert_resumes_exactly(lambda: _shuffled(Draws(start=8), num_workers), epochs=2, points=points)
 
 
 def test_a_shuffle_state_with_bytes_and_an_epoch_is_refused():

@@ -125,7 +125,7 @@ def test_resumes_exactly_with_workers(
 ) -> None:
     check_stage(
         lambda: _source(tmp_path, kind, shuffle=shuffle, seed=1),
-        num_workers=3,
+        num_workers=2,
         batch_size=batch,
         dense=not shuffle,
     )
