@@ -120,7 +120,7 @@ class LightningSavableDataLoader(SavableDataLoader):
         # DataLoader guards ``sampler`` after __init__; torch's iterator only iterates it.
         object.__setattr__(self, "sampler", _EpochSampler(target))
         #: Whether Lightning restored this loader itself (the callback leaves it then).
-        self.restored_by_trainer = False
+        self._restored_by_trainer = False
 
     def __iter__(self) -> _EpochIterator:  # type: ignore[override]
         """Returns an iterator over one epoch as Lightning reads it (item 2 of the NOTE)."""
@@ -164,7 +164,7 @@ class LightningSavableDataLoader(SavableDataLoader):
             StateError: As :meth:`SavableDataLoader.load_state_dict`.
         """
         super().load_state_dict(state_dict)
-        self.restored_by_trainer = True
+        self._restored_by_trainer = True
 
 
 def _stateful_train_loaders(trainer: pl.Trainer) -> list[Any]:
@@ -221,5 +221,5 @@ class SavableLoaderCallback(pl.Callback):
                 "the run that saved it"
             )
         for loader, state in zip(loaders, states, strict=True):
-            if isinstance(loader, LightningSavableDataLoader) and not loader.restored_by_trainer:
+            if isinstance(loader, LightningSavableDataLoader) and not loader._restored_by_trainer:
                 loader.load_state_dict(state)
