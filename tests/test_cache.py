@@ -460,3 +460,57 @@ def test_the_cache_is_not_part_of_the_config(memory: str, tmp_path: Path) -> Non
     assert cached.config() == plain.config()
     assert cached.cache_limit == 2**20
     assert JsonLinesSource(f"{memory}/part-*", cache_dir=tmp_path).cache_limit == 10 * 2**30
+
+
+def _data_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.glob("*.data"))
+
+
+def test_downloads_under_the_limit_scan_the_folder_once_and_the_limit_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``.usage`` record (NOTE [ File cache ]): downloads that keep the folder under
+    the limit do not scan it; past the limit every download evicts, and after each
+    closed read the entries take at most the limit."""
+    fs = fsspec.filesystem("memory")
+    root = f"memory://usage-{uuid.uuid4().hex}"
+    urls = [f"{root}/f{i:02d}.bin" for i in range(30)]
+    for url in urls:
+        fs.pipe_file(url, bytes(1000))
+    scans: list[int] = []
+    original = FileCache._evict_locked
+
+    def counted(self: FileCache) -> None:
+        scans.append(1)
+        original(self)
+
+    monkeypatch.setattr(FileCache, "_evict_locked", counted)
+    cache = FileCache(tmp_path, 10_000, 0)
+    for index, url in enumerate(urls):
+        with cache.open(url, fs) as file:
+            assert file.read() == bytes(1000)
+        assert _data_bytes(tmp_path) <= 10_000
+        if index == 9:
+            assert len(scans) == 1, "ten downloads fill the limit: only the first scanned"
+    assert len(scans) == 1 + 20  # every download past the limit evicts
+    assert int((tmp_path / ".usage").read_text()) == _data_bytes(tmp_path) == 10_000
+
+
+def test_a_damaged_usage_record_is_rebuilt_by_a_scan(tmp_path: Path) -> None:
+    fs = fsspec.filesystem("memory")
+    root = f"memory://usage-{uuid.uuid4().hex}"
+    cache = FileCache(tmp_path, 10_000, 0)
+    for index in range(3):
+        fs.pipe_file(f"{root}/f{index}.bin", bytes(1000))
+    with cache.open(f"{root}/f0.bin", fs):
+        pass
+    (tmp_path / ".usage").write_text("not a number")
+    with cache.open(f"{root}/f1.bin", fs):
+        pass
+    assert int((tmp_path / ".usage").read_text()) == 2000
+    (tmp_path / ".usage").write_text("0")  # an understated record is corrected in an hour
+    old = time.time() - 7200
+    os.utime(tmp_path / ".usage", (old, old))
+    with cache.open(f"{root}/f2.bin", fs):
+        pass
+    assert int((tmp_path / ".usage").read_text()) == 3000

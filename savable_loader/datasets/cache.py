@@ -27,7 +27,10 @@ its one writer.
   ``cache_limit`` (a ``.over`` marker file says so), entries are removed least recently used
   first (the data file's mtime, touched at every open) until the total of the ``.data`` files is
   under the limit. Entries being read are kept, so the folder may exceed the limit while more
-  files are open than it holds, and falls back once they are closed.
+  files are open than it holds, and falls back once they are closed. A download adds its
+  size to ``.usage`` (the entries' total, rewritten by every eviction) under ``.evict.lock``
+  and scans the folder only when that total passes the limit, or the record is missing,
+  unreadable or an hour old: so many small files cost no scan each.
 * A file larger than ``cache_limit`` is not cached: it is streamed from the store as without a
   cache (counted as a miss, not as downloaded bytes).
 * Files are opened from the cache with fsspec's local filesystem and decompressed by the URL's
@@ -54,7 +57,6 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
-import io
 import json
 import logging
 import os
@@ -70,6 +72,8 @@ from typing import IO, Any
 import fsspec
 from fsspec.compression import compr
 from fsspec.core import get_compression
+
+from .held_file import HeldFile
 
 __all__ = ["DEFAULT_CACHE_LIMIT", "CacheStats", "FileCache", "cacheable"]
 
@@ -147,57 +151,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _HeldFile(io.BufferedIOBase):
-    """A file opened from the cache: reads go to ``files[0]``; closing it closes
-    ``files`` and runs ``release`` once (the entry's lock)."""
-
-    def __init__(self, files: tuple[IO[bytes], ...], release: Callable[[], None]) -> None:
-        super().__init__()
-        self._files = files
-        self._file = files[0]
-        self._release: Callable[[], None] | None = release
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        return self._file.read(-1 if size is None else size)
-
-    def readinto(self, buffer: Any) -> int:
-        data = self._file.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def readline(self, size: int | None = -1) -> bytes:
-        return self._file.readline(-1 if size is None else size)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self._file.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._file.tell()
-
-    def fileno(self) -> int:  # the cached data file's, when read as stored (a token map)
-        if len(self._files) > 1:
-            raise io.UnsupportedOperation("a decompressed file from the cache has no fileno")
-        return self._files[0].fileno()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            for file in self._files:
-                file.close()
-        finally:
-            super().close()
-            release, self._release = self._release, None
-            if release is not None:
-                release()
-
-
 class FileCache:
     """The cache of one folder, as one process uses it (NOTE [ File cache ]).
 
@@ -217,6 +170,7 @@ class FileCache:
         self._local = fsspec.filesystem("file")
         self._mutex = threading.Lock()
         self._over_marker = self.directory / ".over"
+        self._usage = self.directory / ".usage"
         self._checked: dict[str, dict[str, Any]] = {}  # prefetched: url -> signature
         self._pinned: dict[str, int] = {}  # prefetched: url -> fd of its shared lock
         self._wanted: set[str] = set()
@@ -266,7 +220,7 @@ class FileCache:
         except BaseException:
             self._drop(fd)
             raise
-        return _HeldFile(files, functools.partial(self._release, fd))  # type: ignore[return-value]
+        return HeldFile(files, functools.partial(self._release, fd))  # type: ignore[return-value]
 
     def _drop(self, fd: int) -> None:
         """Closes ``fd``, a held entry's lock, unless a fork already let it go here."""
@@ -365,7 +319,19 @@ class FileCache:
             raise
         self._count(bytes_downloaded=got)
         logger.debug("%s: %d bytes downloaded into %s", url, got, data)
-        self.evict()
+        self._record(got)
+
+    def _record(self, size: int) -> None:
+        """Adds a download to the folder's recorded usage; evicts when the record says
+        the entries exceed the limit, or is missing or an hour old (NOTE [ File cache ])."""
+        with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
+            with contextlib.suppress(OSError, ValueError):
+                fresh = time.time() - self._usage.stat().st_mtime < _STALE_TEMP_SECONDS
+                usage = int(self._usage.read_text()) + size
+                if fresh and usage <= self.limit:
+                    self._usage.write_text(str(usage))
+                    return
+            self._evict_locked()
 
     def _sync_directory(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)
@@ -385,26 +351,31 @@ class FileCache:
         """Removes the least recently used entries no one holds until the folder's
         entries take at most ``limit`` bytes (NOTE [ File cache ])."""
         with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
-            entries = []
-            for data in self.directory.glob("*.data"):
-                with contextlib.suppress(OSError):
-                    stat = data.stat()
-                    entries.append((stat.st_mtime, stat.st_size, data))
-            total = sum(size for _, size, _ in entries)
-            for _, size, data in sorted(entries):
-                if total <= self.limit:
-                    break
-                if self._remove(data):
-                    total -= size
-            if total > self.limit:
-                self._over_marker.touch()
-            else:
-                self._over_marker.unlink(missing_ok=True)
-            now = time.time()
-            for temp in self.directory.glob(".tmp-*"):
-                with contextlib.suppress(OSError):
-                    if now - temp.stat().st_mtime > _STALE_TEMP_SECONDS:
-                        temp.unlink()
+            self._evict_locked()
+
+    def _evict_locked(self) -> None:
+        """:meth:`evict` with ``.evict.lock`` held; records the usage it leaves."""
+        entries = []
+        for data in self.directory.glob("*.data"):
+            with contextlib.suppress(OSError):
+                stat = data.stat()
+                entries.append((stat.st_mtime, stat.st_size, data))
+        total = sum(size for _, size, _ in entries)
+        for _, size, data in sorted(entries):
+            if total <= self.limit:
+                break
+            if self._remove(data):
+                total -= size
+        if total > self.limit:
+            self._over_marker.touch()
+        else:
+            self._over_marker.unlink(missing_ok=True)
+        self._usage.write_text(str(total))
+        now = time.time()
+        for temp in self.directory.glob(".tmp-*"):
+            with contextlib.suppress(OSError):
+                if now - temp.stat().st_mtime > _STALE_TEMP_SECONDS:
+                    temp.unlink()
 
     def _remove(self, data: Path) -> bool:
         fd = os.open(data.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o666)
