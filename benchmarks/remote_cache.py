@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +48,30 @@ from savable_loader.datasets import JsonLinesSource
 BUCKET = "bench-cache"
 
 
+@dataclass
+class Latency:
+    """The first-byte latency of :func:`latent_s3`, changeable while it serves."""
+
+    seconds: float
+
+
 @contextmanager
 def slow_s3(latency: float) -> Iterator[str]:
     """A loopback S3 endpoint whose every answer starts ``latency`` seconds late."""
+    with latent_s3(Latency(latency)) as url:
+        yield url
+
+
+@contextmanager
+def latent_s3(latency: Latency) -> Iterator[str]:
+    """A loopback S3 endpoint whose every answer starts ``latency.seconds`` late."""
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
     app = DomainDispatcherApplication(create_backend_app)
 
     def delayed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        time.sleep(latency)
+        time.sleep(latency.seconds)
         return app(environ, start_response)
 
     server = make_server("127.0.0.1", 0, delayed, threaded=True)
