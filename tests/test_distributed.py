@@ -23,7 +23,7 @@ EPOCHS = 2
 DATA = list(range(40))
 #: Batches consumed before the global save: mid-epoch 0 with 2 ranks, into epoch 1 with 3.
 SAVE_AFTER = {2: 3, 3: 9}
-JOB_TIMEOUT = 60.0
+JOB_TIMEOUT = 150.0  # a hang is still caught; a loaded 2-core CI machine is slow
 
 
 # -- what runs in each rank ----------------------------------------------------------------
