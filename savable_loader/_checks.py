@@ -23,14 +23,20 @@ SEED_RANGE = range(-(2**63), 2**64)
 
 
 def check_arguments(
-    num_workers: int, prefetch_factor: int | None, in_order: bool, seed: int
+    num_workers: int,
+    timeout: float,
+    prefetch_factor: int | None,
+    persistent_workers: bool | None,
+    in_order: bool,
+    seed: int,
 ) -> None:
     """Refuses arguments the loader cannot honour exactly.
 
     Batching arguments are checked by the batching stage (``datasets/batch.py``); the
     sampling arguments by torch itself (``_pipeline.py``). What the saved state must carry
     is refused here rather than at the first save (NOTE [ Arguments the state must
-    carry ]).
+    carry ]). What torch's ``DataLoader`` refuses is refused with torch's message, in
+    torch's order, before the pipeline is built.
 
     Raises:
         ConfigError: An argument is invalid or its position cannot be saved; the
@@ -46,19 +52,34 @@ def check_arguments(
             f"num_workers must be a non-negative int, not a bool ({num_workers}): the saved "
             f"state records the number of workers; pass num_workers={int(num_workers)}"
         )
-    if not isinstance(num_workers, int) or num_workers < 0:
+    if not isinstance(num_workers, int):
         raise ConfigError(f"num_workers must be a non-negative int, got {num_workers!r}")
+    if num_workers < 0:
+        raise ConfigError(
+            "num_workers option should be non-negative; use num_workers=0 to disable "
+            "multiprocessing."
+        )
     if num_workers > MAX_WORKERS:
         raise ConfigError(
             f"num_workers={num_workers} is more than the {MAX_WORKERS} workers a saved state "
             "holds; use fewer workers per rank"
         )
+    if timeout < 0:
+        raise ConfigError("timeout option should be non-negative")
     if num_workers == 0 and prefetch_factor is not None:
-        raise ConfigError("prefetch_factor applies to worker processes; num_workers is 0")
+        raise ConfigError(
+            "prefetch_factor option could only be specified in multiprocessing."
+            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
+        )
+    if isinstance(prefetch_factor, int) and prefetch_factor < 0:
+        raise ConfigError("prefetch_factor option should be non-negative")
     if prefetch_factor is not None and (
         not isinstance(prefetch_factor, int) or prefetch_factor < 1
     ):
+        # Torch takes 0 here and raises an AssertionError when it starts the workers.
         raise ConfigError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
+    if persistent_workers and num_workers == 0:
+        raise ConfigError("persistent_workers option needs num_workers > 0")
     if isinstance(seed, bool):
         raise ConfigError(
             f"seed must be an int, not a bool ({seed}): the saved state records the seed; "

@@ -23,6 +23,7 @@ from ._iterator import LoaderIterator
 from ._layout import Layout
 from ._pipeline import base_seed_generator, build_pipeline
 from ._runtime import RuntimeSpec
+from ._sampler_view import shown_arguments
 from ._stream import Hang, Stream
 from ._worker import WorkerInit, WorkerWrapper
 from .config import WorkerConfig
@@ -56,7 +57,8 @@ class SavableDataLoader(DataLoader[Any]):
             ``seed`` (from ``generator`` as torch does, when one is given).
         sampler: As in ``DataLoader`` (map-style datasets): drawn in the main process each
             epoch, saved as the generators it draws from (NOTE [ Epoch orders ]).
-        batch_sampler: As in ``DataLoader``, likewise.
+        batch_sampler: As in ``DataLoader``, likewise. ``loader.sampler`` shows either; see
+            NOTE [ What the loader shows of its arguments ] in ``_sampler_view.py``.
         num_workers: Worker processes; 0 runs the pipeline in the main process.
         collate_fn: Merges items into a batch (default: torch's ``default_collate``).
         pin_memory: As in ``DataLoader``.
@@ -104,7 +106,7 @@ class SavableDataLoader(DataLoader[Any]):
         seed: int = 0,
         worker_config: WorkerConfig | None = None,
     ) -> None:
-        check_arguments(num_workers, prefetch_factor, in_order, seed)
+        check_arguments(num_workers, timeout, prefetch_factor, persistent_workers, in_order, seed)
         pipeline = build_pipeline(
             dataset,
             batch_size=batch_size,
@@ -155,11 +157,9 @@ class SavableDataLoader(DataLoader[Any]):
             pin_memory_device=pin_memory_device,
             **_torch_compat.in_order_argument(),
         )
-        # DataLoader guards these names after __init__; the values torch needs underneath
-        # (no batching, no dropping) were passed above, and torch's iterators never read
-        # them for an iterable dataset, so they can report what the user asked for.
-        object.__setattr__(self, "batch_size", None if batch_sampler is not None else batch_size)
-        object.__setattr__(self, "drop_last", drop_last)
+        shown = shown_arguments(self._planner, sampler, batch_sampler, batch_size, drop_last)
+        for name, value in shown.items():  # NOTE [ What the loader shows of its arguments ]
+            object.__setattr__(self, name, value)
         self._own_generator = self.generator
         #: What a state is checked against and resharded for (``_compat.py``).
         self.layout = Layout(root, seed, self.rank, self.world_size, num_workers)

@@ -30,7 +30,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from savable_loader import SavableDataLoader, StateError
+from savable_loader import ConfigError, SavableDataLoader, StateError
 from savable_loader.state.files import decode_state, encode_state
 
 EPOCHS = 3
@@ -339,6 +339,14 @@ def test_a_restore_skips_the_sampler_without_fetching_the_skipped_items() -> Non
         {"batch_sampler": [[0, 1]], "drop_last": True},
         {"batch_sampler": [[0, 1]], "sampler": [0]},
         {"batch_size": None, "drop_last": True},
+        {"persistent_workers": True},
+        {"num_workers": -1},
+        {"num_workers": 2, "prefetch_factor": -1},
+        {"prefetch_factor": 2},
+        {"timeout": -1},
+        # Two mistakes: torch's first check decides which is reported.
+        {"persistent_workers": True, "sampler": [0, 1], "shuffle": True},
+        {"num_workers": -1, "prefetch_factor": 2, "timeout": -1},
     ],
 )
 def test_invalid_combinations_raise_what_torch_raises(kwargs: dict[str, Any]) -> None:
@@ -346,9 +354,8 @@ def test_invalid_combinations_raise_what_torch_raises(kwargs: dict[str, Any]) ->
         DataLoader(Numbers(), **kwargs)
     with pytest.raises(ValueError) as our_error:
         SavableDataLoader(Numbers(), **kwargs)
-    assert type(our_error.value) is type(torch_error.value) or isinstance(
-        our_error.value, ValueError
-    )
+    assert isinstance(our_error.value, type(torch_error.value))
+    assert isinstance(our_error.value, ConfigError)
     assert str(our_error.value) == str(torch_error.value)
 
 

@@ -9,7 +9,7 @@ NOTE [ What Lightning does with a stateful loader ]
 Lightning (2.x) treats any train loader with ``state_dict()`` and ``load_state_dict()`` as
 resumable: every rank calls ``state_dict()`` while it builds a checkpoint, and on a
 resume that stopped mid-epoch it calls ``load_state_dict()`` before iterating. It does
-not skip batches itself. Four things do not fit ``SavableDataLoader`` as it is:
+not skip batches itself. Four things need care; the first three are handled here:
 
 1. Only global rank 0 writes the checkpoint, so rank 1's ``{"rank_1": ...}`` is lost and
    rank 1 would get rank 0's entry on resume. ``state_dict()`` here gathers every rank's
@@ -28,10 +28,11 @@ not skip batches itself. Four things do not fit ``SavableDataLoader`` as it is:
    would begin again at its first epoch. :class:`SavableLoaderCallback` takes the states
    from the checkpoint and restores the loaders Lightning left alone, at
    ``on_train_start``, before the first batch.
-4. Lightning calls ``set_epoch`` on ``loader.sampler``, which for a ``DataLoader`` over
-   the worker wrapper is torch's endless placeholder sampler. Here ``sampler`` is a
-   placeholder that passes ``set_epoch`` on to the sampler you gave (a
-   ``DistributedSampler`` with ``use_distributed_sampler=False``).
+4. Lightning calls ``set_epoch`` on ``loader.sampler`` when it has one. The ``sampler``
+   of a ``DataLoader`` over the worker wrapper would be torch's endless placeholder;
+   ``SavableDataLoader`` itself makes it a placeholder that passes ``set_epoch`` on to the
+   sampler you gave, a ``DistributedSampler`` with ``use_distributed_sampler=False`` (NOTE
+   [ What the loader shows of its arguments ] in ``_sampler_view.py``).
 
 Lightning never re-creates the loader to inject a ``DistributedSampler``: its ``dataset``
 is the worker wrapper, an ``IterableDataset``, which Lightning leaves as it is; the loader
@@ -59,24 +60,6 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 __all__ = ["LightningSavableDataLoader", "SavableLoaderCallback"]
-
-
-class _EpochSampler:
-    """The placeholder sampler torch reads for an iterable dataset (``None`` forever),
-    which passes ``set_epoch`` on to the sampler the loader reads (NOTE [ What Lightning
-    does with a stateful loader ], item 4)."""
-
-    def __init__(self, target: Any) -> None:
-        self.target = target
-
-    def __iter__(self) -> Iterator[None]:
-        while True:
-            yield None
-
-    def set_epoch(self, epoch: int) -> None:
-        set_epoch = getattr(self.target, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
 
 
 class _EpochIterator:
@@ -115,10 +98,6 @@ class LightningSavableDataLoader(SavableDataLoader):
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
-        planner = self._planner
-        target = None if planner is None else planner.sampler
-        # DataLoader guards ``sampler`` after __init__; torch's iterator only iterates it.
-        object.__setattr__(self, "sampler", _EpochSampler(target))
         #: Whether Lightning restored this loader itself (the callback leaves it then).
         self._restored_by_trainer = False
 

@@ -1,0 +1,223 @@
+"""What a training script reads from the loader: ``loader.sampler`` is the sampler it
+passed (``set_epoch``, attributes, ``len``), while torch's iterator underneath still reads
+an endless placeholder; and what stays torch's is where ``docs/how-to/migrate.md`` says
+(NOTE [ What the loader shows of its arguments ] in ``savable_loader/_sampler_view.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+)
+
+from savable_loader import SavableDataLoader
+from savable_loader.state.files import decode_state, encode_state
+
+EPOCHS = 3
+
+
+class Numbers(Dataset[int]):
+    def __init__(self, n: int = 23) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class Pids(Dataset[int]):
+    """Each item is the process that fetched it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpid()
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(4))
+
+
+class EpochBuckets(Sampler[list[int]]):
+    """A user's batch sampler with ``set_epoch`` and no ``.sampler``: batches of varying
+    length in an order drawn from (seed, epoch)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch))
+        indices = order.tolist()
+        at, size = 0, 1
+        while at < self.n:
+            yield indices[at : at + size]
+            at, size = at + size, size % 4 + 1
+
+    def __len__(self) -> int:
+        return 10
+
+
+def _distributed(dataset: Numbers) -> DistributedSampler[int]:
+    return DistributedSampler(dataset, num_replicas=2, rank=1, seed=5)
+
+
+def _plain(epoch: Any) -> list[list[int]]:
+    return [batch.tolist() for batch in epoch]
+
+
+def _epochs(loader: Any, set_epoch: Any, epochs: range = range(EPOCHS)) -> list[list[list[int]]]:
+    """The training loop of a DDP script: ``set_epoch`` before every epoch."""
+    out = []
+    for epoch in epochs:
+        set_epoch(loader, epoch)
+        out.append(_plain(loader))
+    return out
+
+
+def _through_loader(loader: Any, epoch: int) -> None:
+    loader.sampler.set_epoch(epoch)
+
+
+def _through_batch_sampler(loader: Any, epoch: int) -> None:
+    loader.batch_sampler.sampler.set_epoch(epoch)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_sampler_set_epoch_gives_torchs_epochs(num_workers: int) -> None:
+    dataset = Numbers()
+    torchs = DataLoader(dataset, sampler=_distributed(dataset), batch_size=4)
+    expected = _epochs(torchs, _through_loader)
+    assert expected[0] != expected[1]  # set_epoch matters
+    sampler = _distributed(dataset)
+    with SavableDataLoader(dataset, sampler=sampler, batch_size=4, num_workers=num_workers) as ours:
+        assert _epochs(ours, _through_loader) == expected
+    assert sampler.epoch == EPOCHS - 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_sampler_set_epoch_resumes_exactly(num_workers: int) -> None:
+    dataset = Numbers()
+    expected = _epochs(
+        DataLoader(dataset, sampler=_distributed(dataset), batch_size=4), _through_loader
+    )
+    options: dict[str, Any] = {"batch_size": 4, "num_workers": num_workers}
+    with SavableDataLoader(dataset, sampler=_distributed(dataset), **options) as first:
+        head = _epochs(first, _through_loader, range(1))
+        first.sampler.set_epoch(1)
+        iterator = iter(first)
+        head.append([next(iterator).tolist() for _ in range(2)])
+        state = decode_state(encode_state(first.save_state_rank()))
+    with SavableDataLoader(dataset, sampler=_distributed(dataset), **options) as second:
+        second.restore_state_rank(state)
+        rest = _epochs(second, _through_loader, range(1, EPOCHS))
+    assert [head[0], head[1] + rest[0], *rest[1:]] == expected
+
+
+def _cases(dataset: Numbers) -> dict[str, dict[str, Any]]:
+    return {
+        "distributed": {"sampler": _distributed(dataset), "batch_size": 4},
+        "random": {"sampler": RandomSampler(dataset, num_samples=7), "batch_size": 2},
+        "shuffle_generator": {"shuffle": True, "generator": torch.Generator().manual_seed(1)},
+        "generator": {"generator": torch.Generator().manual_seed(1)},
+    }
+
+
+@pytest.mark.parametrize("case", ["distributed", "random", "shuffle_generator", "generator"])
+def test_loader_sampler_reads_as_torchs(case: str) -> None:
+    names = ("num_replicas", "rank", "seed", "shuffle", "num_samples", "replacement", "epoch")
+
+    def read(sampler: Any) -> tuple[Any, ...]:
+        kept = tuple(getattr(sampler, name, "-") for name in names)
+        return (len(sampler), *kept, getattr(sampler, "generator", None) is not None)
+
+    torchs = DataLoader(Numbers(), **_cases(Numbers())[case])
+    with SavableDataLoader(Numbers(), **_cases(Numbers())[case]) as ours:
+        assert read(ours.sampler) == read(torchs.sampler)
+
+
+def test_a_batch_samplers_sampler_gets_set_epoch_through_loader_sampler() -> None:
+    """``loader.batch_sampler`` stays None (torch would batch the wrapper's events): the
+    sampler inside the batch sampler is reached through ``loader.sampler``."""
+    dataset = Numbers()
+    torchs = DataLoader(dataset, batch_sampler=BatchSampler(_distributed(dataset), 4, False))
+    expected = _epochs(torchs, _through_batch_sampler)
+    batch_sampler = BatchSampler(_distributed(dataset), 4, False)
+    with SavableDataLoader(dataset, batch_sampler=batch_sampler, num_workers=2) as ours:
+        assert ours.batch_sampler is None
+        assert ours.sampler.num_replicas == 2
+        assert _epochs(ours, _through_loader) == expected
+
+
+def test_a_batch_sampler_without_a_sampler_gets_set_epoch_itself() -> None:
+    torchs = DataLoader(Numbers(), batch_sampler=EpochBuckets(23))
+    expected = _epochs(torchs, lambda loader, epoch: loader.batch_sampler.set_epoch(epoch))
+    assert expected[0] != expected[1]
+    batch_sampler = EpochBuckets(23)
+    with SavableDataLoader(Numbers(), batch_sampler=batch_sampler) as ours:
+        assert len(ours.sampler) == len(batch_sampler)
+        assert _epochs(ours, _through_loader) == expected
+    assert batch_sampler.epoch == EPOCHS - 1
+
+
+def test_writes_reach_the_sampler() -> None:
+    sampler = _distributed(Numbers())
+    with SavableDataLoader(Numbers(), sampler=sampler) as loader:
+        loader.sampler.epoch = 4
+    assert sampler.epoch == 4
+
+
+def test_without_a_sampler_the_view_is_torchs_placeholder() -> None:
+    torchs = DataLoader(Stream())
+    with SavableDataLoader(Stream()) as ours:
+        for loader in (torchs, ours):
+            assert not callable(getattr(loader.sampler, "set_epoch", None))  # Lightning skips it
+            with pytest.raises(AttributeError):
+                loader.sampler.set_epoch(1)
+            with pytest.raises(TypeError, match="has no len"):
+                len(loader.sampler)
+            assert next(iter(loader.sampler)) is None
+        assert _plain(ours) == _plain(torchs)
+
+
+def test_the_view_copies_and_pickles() -> None:
+    with SavableDataLoader(Numbers(), sampler=_distributed(Numbers())) as loader:
+        for view in (copy.deepcopy(loader.sampler), pickle.loads(pickle.dumps(loader.sampler))):
+            assert (view.num_replicas, view.rank, len(view)) == (2, 1, 12)
+    with SavableDataLoader(Stream()) as loader:
+        assert next(iter(copy.deepcopy(loader.sampler))) is None
+
+
+def test_what_stays_torchs_is_where_migrate_says() -> None:
+    """``persistent_workers`` reads True with workers (torch's persistent iterator runs
+    underneath) while False still restarts the workers every epoch; ``dataset`` is the
+    worker wrapper and the user's dataset is ``loader.source.data``."""
+    dataset = Pids()
+    with SavableDataLoader(dataset, batch_size=4, num_workers=2) as loader:
+        assert loader.persistent_workers is True
+        assert loader.dataset is not dataset
+        assert loader.source.data is dataset
+        first, second = ({pid for batch in loader for pid in batch.tolist()} for _ in range(2))
+        assert len(first) == 2
+        assert first.isdisjoint(second)
