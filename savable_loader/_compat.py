@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._elastic import reshard
+from ._elastic import reshard, reshard_ranks
 from ._layout import Layout
 from .config import WorkerContext
 from .errors import StateError, StateFormatError, StateMismatchError
@@ -121,12 +121,12 @@ def state_from_dict(state_dict: Any, layout: Layout) -> RankState:
 def states_for_layout(
     states: Sequence[RankState], layout: Layout, *, approximate: bool
 ) -> list[RankState]:
-    """Every rank's state of ``layout`` from one save (as ``one_save()`` checked it)."""
+    """Every rank's state of ``layout`` from one save (as ``one_save()`` checked it), the
+    saved streams brought to their positions once for all of them (NOTE [ One reshard per
+    restore ] in ``_elastic.py``)."""
     if saved_on_layout(states, layout):
         return list(states)
-    return [
-        reshard(states, layout, rank, approximate=approximate) for rank in range(layout.world_size)
-    ]
+    return reshard_ranks(states, layout, range(layout.world_size), approximate=approximate)
 
 
 def saved_on_layout(states: Sequence[RankState], layout: Layout) -> bool:

@@ -9,6 +9,8 @@ generators. The pipeline's root stage then answers one
 :class:`~savable_loader.datasets.elastic.ReshardPlan` per new worker. The new workers
 start the resumed epoch from those states with nothing to replay and their global
 generators seeded for that epoch (NOTE [ Generators per epoch ] in ``_runtime.py``).
+The module runs past 400 lines because the checks of a save, the replays that bring its
+streams to their positions and the states built from them share their helpers.
 
 NOTE [ A rank at its last batch ]
 A rank saved right after it handed on its last batch of epoch ``e`` has not asked for the
@@ -26,6 +28,16 @@ batch of ``e`` left, the save restores as one taken between epochs, and the next
 starts as a fresh run's on the new layout. Read as positions instead, such a save would
 leave the positions a filter had not yet read (the worker's last batch was full before
 them) to the new layout, padded for its number of ranks.
+
+NOTE [ One reshard per restore ]
+What the old layout left does not depend on the new rank: the checks, the ranks brought
+past their last batch, every old stream's exact state and the salt are computed once per
+restore (``_Move.of``), and each new rank only asks the root for its streams' states
+(:func:`reshard_ranks`, which ``restore_state_global(src_rank=...)`` calls for every new
+rank at once). A stream whose checkpoint stands at its delivered position takes the
+checkpoint's state and is not run; one behind it is replayed once, in
+:func:`_finish_epoch` when that looked for the end of its epoch, else in
+:func:`_exact_state`.
 """
 
 from __future__ import annotations
@@ -54,7 +66,7 @@ from .state.bounds import MAX_RESHARD_EPOCH, check_counters
 from .state.models import FORMAT_VERSION, Checkpoint, RankState, WorkerState
 from .state.names import name_changes
 
-__all__ = ["reshard"]
+__all__ = ["reshard", "reshard_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,56 +78,102 @@ def reshard(
     (as ``one_save()`` validated them).
 
     Raises:
+        As :func:`reshard_ranks`.
+    """
+    return reshard_ranks(states, layout, (rank,), approximate=approximate, stacklevel=5)[0]
+
+
+def reshard_ranks(
+    states: Sequence[RankState],
+    layout: Layout,
+    ranks: Sequence[int],
+    *,
+    approximate: bool = False,
+    stacklevel: int = 4,
+) -> list[RankState]:
+    """Returns the state of each of ``ranks`` in ``layout`` from every rank's state of one
+    save (as ``one_save()`` validated them), the old streams brought to their exact
+    positions once for all of them (NOTE [ One reshard per restore ]).
+
+    Raises:
         StateMismatchError: The states do not belong together or to this pipeline, or the
             pipeline is not elastic and ``approximate`` is False.
         StateError: A saved position cannot be reached again.
         StateFormatError: A counter is beyond what a save leaves (NOTE [ Counter bounds ]).
     """
-    for state in states:  # before anything replays (NOTE [ Counter bounds ])
-        check_counters(state)
-    between = all(state.between_epochs for state in states)
-    latest = max(state.epoch for state in states) + between
-    if latest > MAX_RESHARD_EPOCH:
-        raise StateFormatError(
-            f"cannot restore onto another layout: epoch is {latest - between}, and a restore "
-            "onto another layout walks the pipeline through every earlier epoch, at most "
-            f"{MAX_RESHARD_EPOCH} (NOTE [ Counter bounds ]); restore on the number of workers "
-            "and ranks it was saved with"
-        )
-    epoch, states = _check(states, layout)
-    saved = states[0]
-    target = epoch + 1 if between else epoch
-    root = layout.root
-    approximated: str | None = None
-    new_states: list[Any] = []
-    untouched = False
-    salt = 0
-    contexts = [
-        WorkerContext(
-            rank, layout.world_size, w, layout.num_workers, layout.seed, layout.batch_size
-        )
-        for w in range(max(layout.num_workers, 1))
-    ]
-    problem = root.not_elastic()
-    if problem is None:
-        old = tuple(_old_streams(root, states))
-        salt = _salt(old)
-        new_states = [root.reshard(ReshardPlan(target, old, context, salt)) for context in contexts]
-        untouched = all(_at_start(root, stream, target) for stream in old)
-    elif not approximate:
-        changes = "; ".join(
-            f"{name} was {before} when the state was saved and is {after} now"
-            for name, before, after in (
-                ("world_size", saved.world_size, layout.world_size),
-                ("num_workers", saved.num_workers, layout.num_workers),
+    move = _Move.of(states, layout, approximate=approximate)
+    if move.approximated is not None:
+        message = f"approximate resume: {move.approximated}"
+        logger.warning(message)
+        warnings.warn(message, ApproximateResumeWarning, stacklevel=stacklevel)
+    return [move.rank_state(rank) for rank in ranks]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Move:
+    """What one restore onto ``layout`` computes once, whatever the new rank
+    (NOTE [ One reshard per restore ]).
+
+    Attributes:
+        layout: The new layout.
+        saved: One of the saved states (they agree on what a new state copies).
+        epoch: The epoch the saved streams stand in.
+        target: The epoch the new streams resume.
+        old: Every saved stream at its exact position (empty when not elastic).
+        salt: ``ReshardPlan.salt``.
+        untouched: No saved stream consumed anything of ``target``.
+        approximated: What an approximate resume gives up, or None.
+        restart: The epoch an approximate resume restarts from its beginning.
+    """
+
+    layout: Layout
+    saved: RankState
+    epoch: int
+    target: int
+    old: tuple[OldStream, ...]
+    salt: int
+    untouched: bool
+    approximated: str | None
+    restart: int
+
+    @classmethod
+    def of(cls, states: Sequence[RankState], layout: Layout, *, approximate: bool) -> _Move:
+        """Checks ``states`` against ``layout`` and brings every saved stream to its exact
+        position, once."""
+        for state in states:  # before anything replays (NOTE [ Counter bounds ])
+            check_counters(state)
+        between = all(state.between_epochs for state in states)
+        latest = max(state.epoch for state in states) + between
+        if latest > MAX_RESHARD_EPOCH:
+            raise StateFormatError(
+                f"cannot restore onto another layout: epoch is {latest - between}, and a "
+                "restore onto another layout walks the pipeline through every earlier epoch, "
+                f"at most {MAX_RESHARD_EPOCH} (NOTE [ Counter bounds ]); restore on the number "
+                "of workers and ranks it was saved with"
             )
-            if before != after
-        )
-        raise StateMismatchError(
-            f"cannot restore: {changes}, and the pipeline is not elastic: {problem.stage}: "
-            f"{problem.reason}. To resume, {problem.fix}"
-        )
-    else:
+        exact: dict[tuple[int, int], Any] = {}
+        epoch, states = _check(states, layout, exact)
+        saved = states[0]
+        target = epoch + 1 if between else epoch
+        root = layout.root
+        problem = root.not_elastic()
+        if problem is None:
+            old = tuple(_old_streams(root, states, exact))
+            untouched = all(_at_start(root, stream, target) for stream in old)
+            return cls(layout, saved, epoch, target, old, _salt(old), untouched, None, target)
+        if not approximate:
+            changes = "; ".join(
+                f"{name} was {before} when the state was saved and is {after} now"
+                for name, before, after in (
+                    ("world_size", saved.world_size, layout.world_size),
+                    ("num_workers", saved.num_workers, layout.num_workers),
+                )
+                if before != after
+            )
+            raise StateMismatchError(
+                f"cannot restore: {changes}, and the pipeline is not elastic: "
+                f"{problem.stage}: {problem.reason}. To resume, {problem.fix}"
+            )
         initial = _restarts_from_initial(root)
         restart = (
             "restarts your dataset from its initial state (restore_state(None))"
@@ -124,51 +182,67 @@ def reshard(
             "delivered before the save come again"
         )
         approximated = f"{problem.stage}: {problem.reason}; the new layout {restart}"
-        scratch = copy.deepcopy(root)  # NOTE [ A dataset is its own position ] in adapt.py
-        new_states = [
-            _epoch_start(scratch, context, 0 if initial else target) for context in contexts
-        ]
-    if approximated is not None:
-        message = f"approximate resume: {approximated}"
-        logger.warning(message)
-        warnings.warn(message, ApproximateResumeWarning, stacklevel=4)
-    ended = between and approximated is None
-    # The rest of an epoch draws from salted generators: a new worker must not repeat
-    # the draws the old worker of the same id made at the start of the epoch. When no
-    # saved stream consumed anything of the epoch (a save between epochs, or before any
-    # item), the epoch starts as a fresh run's: its states, its generators, no quota.
-    salted = approximated is None and not untouched
-    if approximated is None and untouched:
-        new_states = [_epoch_start(root, context, target) for context in contexts]
-    workers = tuple(
-        WorkerState(
-            worker_id=context.worker_id,
-            delivered=1 if ended else 0,
-            ended=ended,
-            checkpoint=Checkpoint(
-                seq=1 if ended else 0,
-                state=state,
-                rng=epoch_rng_state(
-                    layout.seed, rank, context.worker_id, target, salt if salted else None
-                ),
-            ),
+        return cls(
+            layout, saved, epoch, target, (), 0, False, approximated, 0 if initial else target
         )
-        for context, state in zip(contexts, new_states, strict=True)
-    )
-    return RankState(
-        format_version=FORMAT_VERSION,
-        library_version=__version__,
-        fingerprint=layout.fingerprint,
-        rank=rank,
-        world_size=layout.world_size,
-        num_workers=layout.num_workers,
-        batch_size=saved.batch_size,
-        seed=saved.seed,
-        epoch=epoch if approximated is None else target,
-        next_worker=0,
-        workers=workers,
-        callables=layout.callables,
-    )
+
+    def rank_state(self, rank: int) -> RankState:
+        """Rank ``rank``'s state in the new layout."""
+        layout, target = self.layout, self.target
+        contexts = [
+            WorkerContext(
+                rank, layout.world_size, w, layout.num_workers, layout.seed, layout.batch_size
+            )
+            for w in range(max(layout.num_workers, 1))
+        ]
+        root = layout.root
+        elastic = self.approximated is None
+        if not elastic:
+            scratch = copy.deepcopy(root)  # NOTE [ A dataset is its own position ] in adapt.py
+            new_states = [_epoch_start(scratch, context, self.restart) for context in contexts]
+        elif self.untouched:
+            # No saved stream consumed anything of the epoch (a save between epochs, or
+            # before any item): it starts as a fresh run's, its states, its generators.
+            new_states = [_epoch_start(root, context, target) for context in contexts]
+        else:
+            new_states = [
+                copy.deepcopy(root.reshard(ReshardPlan(target, self.old, context, self.salt)))
+                for context in contexts
+            ]
+        ended = elastic and target != self.epoch  # a save between epochs
+        # The rest of an epoch draws from salted generators: a new worker must not repeat
+        # the draws the old worker of the same id made at the start of the epoch.
+        salted = elastic and not self.untouched
+        workers = tuple(
+            WorkerState(
+                worker_id=context.worker_id,
+                delivered=1 if ended else 0,
+                ended=ended,
+                checkpoint=Checkpoint(
+                    seq=1 if ended else 0,
+                    state=state,
+                    rng=epoch_rng_state(
+                        layout.seed, rank, context.worker_id, target, self.salt if salted else None
+                    ),
+                ),
+            )
+            for context, state in zip(contexts, new_states, strict=True)
+        )
+        saved = self.saved
+        return RankState(
+            format_version=FORMAT_VERSION,
+            library_version=__version__,
+            fingerprint=layout.fingerprint,
+            rank=rank,
+            world_size=layout.world_size,
+            num_workers=layout.num_workers,
+            batch_size=saved.batch_size,
+            seed=saved.seed,
+            epoch=self.epoch if elastic else target,
+            next_worker=0,
+            workers=workers,
+            callables=layout.callables,
+        )
 
 
 def _restarts_from_initial(root: Stage[Any]) -> bool:
@@ -179,9 +253,12 @@ def _restarts_from_initial(root: Stage[Any]) -> bool:
     return isinstance(pipeline, (DatasetStage, StatefulDataset))
 
 
-def _check(states: Sequence[RankState], layout: Layout) -> tuple[int, Sequence[RankState]]:
+def _check(
+    states: Sequence[RankState], layout: Layout, exact: dict[tuple[int, int], Any]
+) -> tuple[int, Sequence[RankState]]:
     """Checks the states are one save of this pipeline; returns the epoch they stand in
-    and the states to reshard.
+    and the states to reshard. ``exact`` receives the exact states found on the way
+    (:func:`_finish_epoch`).
 
     Ranks that finished epoch ``e`` and have not begun ``e + 1`` count as standing at the
     start of ``e + 1`` when the other ranks already began it; so do ranks that handed on
@@ -219,7 +296,8 @@ def _check(states: Sequence[RankState], layout: Layout) -> tuple[int, Sequence[R
             )
     epochs = sorted({state.epoch for state in states})
     if len(epochs) == 1:
-        return epochs[0], _finished(layout.root, states, epochs[0], strict=False) or states
+        finished = _finished(layout.root, states, epochs[0], exact, strict=False)
+        return epochs[0], finished or states
     # A rank between epochs e and e + 1 stands where one that began e + 1 started from.
     ahead = [state for state in states if state.epoch == epochs[-1]]
     if (
@@ -227,7 +305,7 @@ def _check(states: Sequence[RankState], layout: Layout) -> tuple[int, Sequence[R
         and epochs[1] == epochs[0] + 1
         and not any(state.between_epochs for state in ahead)
     ):
-        finished = _finished(layout.root, states, epochs[0], strict=True)
+        finished = _finished(layout.root, states, epochs[0], exact, strict=True)
         if finished is not None:
             return epochs[1], finished
     raise StateMismatchError(
@@ -251,23 +329,31 @@ def _pipeline_state(state: Any) -> Any:
 
 
 def _finished(
-    root: Stage[Any], states: Sequence[RankState], epoch: int, *, strict: bool
+    root: Stage[Any],
+    states: Sequence[RankState],
+    epoch: int,
+    exact: dict[tuple[int, int], Any],
+    *,
+    strict: bool,
 ) -> list[RankState] | None:
     """The states with every rank of ``epoch`` brought past its end (NOTE [ A rank at its
     last batch ]); None as soon as one rank still has a batch of it, or (unless
     ``strict``) its pipeline raises producing that batch."""
     finished = []
     for state in states:
-        done = state if state.epoch != epoch else _finish_epoch(root, state, strict=strict)
+        done = state if state.epoch != epoch else _finish_epoch(root, state, exact, strict=strict)
         if done is None:
             return None
         finished.append(done)
     return finished
 
 
-def _finish_epoch(root: Stage[Any], state: RankState, *, strict: bool) -> RankState | None:
+def _finish_epoch(
+    root: Stage[Any], state: RankState, exact: dict[tuple[int, int], Any], *, strict: bool
+) -> RankState | None:
     """``state`` once its workers that handed on their last batch of the epoch handed on
     their end too (NOTE [ A rank at its last batch ]); None when one still has a batch.
+    Each worker's exact state, reached on the way, goes into ``exact`` by (rank, worker).
 
     Raises:
         StateError: A worker's pipeline raised replaying to its saved position, or (when
@@ -283,7 +369,7 @@ def _finish_epoch(root: Stage[Any], state: RankState, *, strict: bool) -> RankSt
             continue
         runtime = PipelineRuntime(spec, worker.worker_id, in_main=True)
         try:
-            _catch_up(runtime, spec, worker)
+            exact[state.rank, worker.worker_id] = copy.deepcopy(_catch_up(runtime, spec, worker))
             _, seq, kind, _ = next(runtime.epoch())
             if kind == ITEM or (kind != END and not strict):
                 return None
@@ -333,21 +419,28 @@ def _spec(root: Stage[Any], state: RankState) -> RuntimeSpec:
     )
 
 
-def _old_streams(root: Stage[Any], states: Sequence[RankState]) -> list[OldStream]:
+def _old_streams(
+    root: Stage[Any], states: Sequence[RankState], exact: dict[tuple[int, int], Any]
+) -> list[OldStream]:
+    """Every saved stream at its exact position (NOTE [ One reshard per restore ])."""
     streams = []
     for state in states:
         spec = _spec(root, state)
         for worker in state.workers:
             context = spec.context(worker.worker_id)
-            streams.append(OldStream(context, _exact_state(spec, worker)))
+            streams.append(OldStream(context, _exact_state(spec, worker, exact)))
     return streams
 
 
-def _exact_state(spec: RuntimeSpec, worker: WorkerState) -> Any:
-    """The pipeline's state once the worker's delivered events are all consumed."""
+def _exact_state(spec: RuntimeSpec, worker: WorkerState, exact: dict[tuple[int, int], Any]) -> Any:
+    """The pipeline's state once the worker's delivered events are all consumed: its
+    checkpoint's when that stands there, else the state :func:`_finish_epoch` reached,
+    else replayed."""
     checkpoint = worker.checkpoint
     if worker.replay == 0:
         return None if checkpoint is None else copy.deepcopy(checkpoint.state)
+    if (spec.rank, worker.worker_id) in exact:
+        return exact[spec.rank, worker.worker_id]
     runtime = PipelineRuntime(spec, worker.worker_id, in_main=True)
     try:
         return _catch_up(runtime, spec, worker)
