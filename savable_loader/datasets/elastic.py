@@ -13,6 +13,14 @@ the old streams consumed and lays the rest out over the new streams
 ``file_rest.py``). Every new stream computes its answer alone from the same plan, so the
 streams agree without talking to each other.
 
+NOTE [ One answer per restore ]
+What a stage works out from the old streams (its parent's states, the positions they
+consumed, the files left) is the same for every new stream of a restore; only where the
+new stream takes its share differs. The plans of one restore share ``ReshardPlan.shared``,
+and a stage computes such a part once through ``plan.once(key, ...)``, keyed by itself,
+so a restore onto ``R`` new streams from ``S`` old ones costs ``O(S + R)``, not
+``O(S * R)``.
+
 A stage whose state ties it to the worker that saved it (a shuffle buffer, a blend's
 generator, a user's own dataset) raises :class:`NotElastic`; the loader turns that into
 a ``StateError`` that names the stage, says why and what to change, unless the user
@@ -22,7 +30,7 @@ asked for an approximate resume.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import WorkerContext
@@ -73,19 +81,45 @@ class ReshardPlan:
             stream of one restore and different for another save: stages that key random
             draws by position add it to the keys of the resumed epoch, so that a new
             stream does not repeat the draws an old stream made at the same positions.
+        shared: What the plans of one restore compute once for all their new streams
+            (NOTE [ One answer per restore ]), shared by the plans that differ only in
+            ``new``; a plan built alone shares nothing.
     """
 
     epoch: int
     old: tuple[OldStream, ...]
     new: WorkerContext
     salt: int = 0
+    shared: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def parents(self) -> ReshardPlan:
-        """The same plan for a transform's parent: each state's ``"parent"`` entry."""
-        return self.map_states(lambda state: None if state is None else state["parent"])
+        """The same plan for a transform's parent: each state's ``"parent"`` entry,
+        worked out once per restore."""
+        entry = self.shared.get(_PARENTS)
+        if entry is None:
+            old = tuple(
+                OldStream(stream.context, None if stream.state is None else stream.state["parent"])
+                for stream in self.old
+            )
+            entry = self.shared[_PARENTS] = (old, {})
+        old, shared = entry
+        return ReshardPlan(self.epoch, old, self.new, self.salt, shared)
+
+    def once(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``, or what it returned for ``key`` for another new stream of this
+        restore (NOTE [ One answer per restore ]). The answer is shared: do not change it."""
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key]
 
     def map_states(self, fn: Callable[[Any], Any]) -> ReshardPlan:
         """The same plan with every old state replaced by ``fn(state)``."""
         return replace(
-            self, old=tuple(OldStream(stream.context, fn(stream.state)) for stream in self.old)
+            self,
+            old=tuple(OldStream(stream.context, fn(stream.state)) for stream in self.old),
+            shared={},
         )
+
+
+#: The key of a plan's parents in ``ReshardPlan.shared``.
+_PARENTS = object()

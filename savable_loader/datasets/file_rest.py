@@ -161,12 +161,23 @@ class FileLayout(Protocol):
 
 
 def reshard_files(source: FileLayout, plan: ReshardPlan) -> dict[str, Any]:
-    """The state of ``plan.new``'s stream (NOTE [ Elastic file order ]).
+    """The state of ``plan.new``'s stream (NOTE [ Elastic file order ]); what the old
+    streams left is worked out once per restore (NOTE [ One answer per restore ] in
+    ``elastic.py``).
 
     Raises:
         StateError: The saved states are malformed, stand in another epoch or
             disagree on what was left of the epoch.
     """
+    rest: Rest | None = plan.once(("files", id(source)), lambda: _rest_of(source, plan))
+    if rest is None:
+        # Nothing of the epoch was read: a fresh start, in the plain state.
+        return {"epoch": plan.epoch, "shard": 0, **dict.fromkeys(source.position_fields, 0)}
+    return _resumed(source, plan, rest)
+
+
+def _rest_of(source: FileLayout, plan: ReshardPlan) -> Rest | None:
+    """What the old streams left of the epoch; None when they read nothing of it."""
     name, count = type(source).__name__, len(source.urls)
     zero = (0,) * len(source.position_fields)
     finished: list[WorkerContext] = []
@@ -192,8 +203,7 @@ def reshard_files(source: FileLayout, plan: ReshardPlan) -> dict[str, Any]:
         rests.append(recorded)
         reading.append((stream.context, state))
     if not reading:
-        # Every stream finished the epoch: nothing of it is left.
-        return _resumed(source, plan, Rest(count, (), {}))
+        return Rest(count, (), {})  # every stream finished the epoch: nothing is left
     rest = rests[0]
     starts = {} if rest is None else dict(rest.starts)
     done: set[int] = set()
@@ -214,11 +224,10 @@ def reshard_files(source: FileLayout, plan: ReshardPlan) -> dict[str, Any]:
             if any(position):
                 starts[place] = position
     if rest is None and not done and not starts:
-        # Nothing of the epoch was read: a fresh start, in the plain state.
-        return {"epoch": plan.epoch, "shard": 0, **dict.fromkeys(source.position_fields, 0)}
+        return None
     files = range(count) if rest is None else rest.files
     left = tuple(place for place in files if place not in done)
-    return _resumed(source, plan, Rest(count, left, {p: starts[p] for p in left if p in starts}))
+    return Rest(count, left, {p: starts[p] for p in left if p in starts})
 
 
 def _resumed(source: FileLayout, plan: ReshardPlan, rest: Rest) -> dict[str, Any]:

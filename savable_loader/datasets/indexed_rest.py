@@ -102,24 +102,14 @@ def _old_rest(position: IndexedState, items: int) -> tuple[int, int, tuple[int, 
     return length, position.done_below or 0, tuple(position.done or ())
 
 
-#: The last reshard's (stage config, epoch, old streams, new world size) and answer: every
-#: new stream of one restore gets the same answer, computed once (:func:`rest_after`).
-_last_reshard: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-
 def reshard_indexed(stage: IndexedStage, plan: ReshardPlan) -> dict[str, Any]:
     """The state of ``plan.new``'s stream (NOTE [ Elastic indexed order ]).
 
     The answer depends on the epoch's length, ``even``, the old streams and the new
-    number of ranks only, not on the new stream, so the last one is kept for the other
-    new streams of the same restore.
+    number of ranks only, not on the new stream, so it is computed once per restore
+    (NOTE [ One answer per restore ] in ``elastic.py``).
     """
-    key = (len(stage.data), stage.even, plan.epoch, plan.old, plan.new.world_size)
-    if _last_reshard and _last_reshard[0][0] == key:
-        return copy.deepcopy(_last_reshard[0][1])
-    answer = _reshard(stage, plan)
-    _last_reshard[:] = [(key, copy.deepcopy(answer))]
-    return answer
+    return copy.deepcopy(plan.once(("indexed", id(stage)), lambda: _reshard(stage, plan)))
 
 
 def _reshard(stage: IndexedStage, plan: ReshardPlan) -> dict[str, Any]:
