@@ -133,10 +133,11 @@ def main() -> None:
         "medians, ratios are medians of per-round ratios.",
         "First batch includes restore_state_rank() and the workers' start-up; torch builds "
         "no state at all, so elastic / torch is the whole price of resuming on a new layout.",
-        "The reshard runs in the main process: it replays each old worker from its "
-        "checkpoint to the consumer's position, then computes the consumed positions "
-        "(O(N) memory in one boolean and one index array, as the epoch's permutation "
-        "itself needs); each new worker recomputes its remaining positions once.",
+        "The reshard runs in the main process, once per restore whatever the number of "
+        "new ranks: it brings each old worker from its checkpoint to the consumer's "
+        "position, then works out what is left of the epoch from the old positions "
+        "without building the epoch (the shuffled order is computed, NOTE [ Elastic "
+        "indexed order ]); every new stream of the restore shares that answer.",
     ]
     common.write_results(
         "bench_elastic",

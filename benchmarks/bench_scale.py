@@ -12,7 +12,10 @@ and global save / restore time as the job grows (issue 16).
    ``save_checkpoint`` (a file per rank, metadata last); a line fitted to the times and
    its value at 1,024 ranks, **an extrapolation, not a measurement**.
 
-    python benchmarks/bench_scale.py [--quick]
+Writes ``benchmarks/results/bench_scale.json`` and ``.md`` (not with ``--quick`` or
+``--no-ranks``, which print only).
+
+    python benchmarks/bench_scale.py [--quick] [--no-ranks]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import common
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
@@ -98,12 +102,12 @@ def _first_batch(build: Any) -> tuple[float, list[int]]:
     return elapsed, peaks
 
 
-def part_sizes(sizes: list[int], torch_up_to: int) -> None:
-    print("\n## Memory per worker and time to the first batch (2 workers, batch 32)\n")
-    print(
-        "| N | ours: first batch | ours: worker peak RSS | torch: first batch | torch: worker peak RSS |"
-    )
-    print("|---|---|---|---|---|")
+Rows = list[dict[str, Any]]
+
+
+def part_sizes(sizes: list[int], torch_up_to: int) -> Rows:
+    """Part 1: first batch and worker peak RSS, ours and torch's, per ``N``."""
+    rows: Rows = []
     for n in sizes:
         ours = _first_batch(
             lambda n=n: SavableDataLoader(Range(n), batch_size=BATCH, shuffle=True, num_workers=2)
@@ -114,16 +118,23 @@ def part_sizes(sizes: list[int], torch_up_to: int) -> None:
                 lambda n=n: DataLoader(Range(n), batch_size=BATCH, shuffle=True, num_workers=2)
             )
         mb = lambda peaks: f"{max(peaks) / 2**20:.0f} MB" if peaks else "-"  # noqa: E731
-        torch_cells = (
-            f"{theirs[0]:.2f} s | {mb(theirs[1])}" if theirs else "not run (permutation of N) | -"
+        rows.append(
+            {
+                "N": f"10^{len(str(n)) - 1}",
+                "ours: first batch s": ours[0],
+                "ours: worker peak RSS": mb(ours[1]),
+                "torch: first batch s": theirs[0] if theirs else "not run (permutation of N)",
+                "torch: worker peak RSS": mb(theirs[1]) if theirs else "-",
+            }
         )
-        print(f"| 10^{len(str(n)) - 1} | {ours[0]:.2f} s | {mb(ours[1])} | {torch_cells} |")
+    return rows
 
 
-def part_state_bytes() -> None:
-    print("\n## State bytes (shuffled map-style dataset of 10^9 items, batch 32)\n")
-    print("| workers | per worker (msgpack of the worker's state) | whole file |")
-    print("|---|---|---|")
+def part_state_bytes() -> Rows:
+    """Part 2: the bytes of a saved state per worker and per job (10^9 items)."""
+    import msgpack
+
+    rows: Rows = []
     for workers in (0, 2, 8):
         loader = SavableDataLoader(
             Range(10**9), batch_size=BATCH, shuffle=True, num_workers=workers
@@ -133,13 +144,18 @@ def part_state_bytes() -> None:
             next(iterator)
         state = loader.save_state_rank()
         loader.close()
-        import msgpack
-
         per_worker = [
             len(msgpack.packb(w.model_dump(mode="python"), use_bin_type=True))
             for w in state.workers
         ]
-        print(f"| {workers} | {max(per_worker)} B | {len(encode_state(state))} B |")
+        rows.append(
+            {
+                "workers": workers,
+                "per worker B (msgpack of the worker's state)": max(per_worker),
+                "whole file B": len(encode_state(state)),
+            }
+        )
+    return rows
 
 
 def _job(rank: int, world_size: int, tmp: Path) -> dict[str, float]:
@@ -195,51 +211,94 @@ def _job(rank: int, world_size: int, tmp: Path) -> dict[str, float]:
     return times
 
 
-def part_ranks(ranks: list[int]) -> None:
+def part_ranks(ranks: list[int]) -> Rows:
+    """Part 3: global save and restore on gloo ranks, times on rank 0, a fitted line and
+    its value at 1,024 ranks (an extrapolation)."""
     from gloo import in_rank_order, run_ranks
 
-    print("\n## Global save and restore on gloo ranks (2 workers a rank; times on rank 0)\n")
-    print("All ranks share this machine's 2 cores (3 processes a rank), so the times grow")
-    print("with the oversubscription as much as with the algorithm; the bytes do not.\n")
-    rows: dict[str, list[float]] = {}
+    measured: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as folder:
         for world in ranks:
             reports = in_rank_order(
                 run_ranks(_job, world, Path(folder), timeout=600), world, "scale"
             )
             for name, seconds in reports[0].items():
-                rows.setdefault(name, []).append(seconds)
-    print(
-        "| form | "
-        + " | ".join(f"{r} ranks" for r in ranks)
-        + " | fitted: s per rank | extrapolated to 1,024 ranks x 8 workers |"
-    )
-    print("|---|" + "---|" * len(ranks) + "---|---|")
-    for name, values in rows.items():
+                measured.setdefault(name, []).append(seconds)
+    rows: Rows = []
+    for name, values in measured.items():
         slope, intercept = np.polyfit(ranks, values, 1)
-        if "bytes" in name:
-            cells = " | ".join(f"{v:,.0f} B" for v in values)
-            at = intercept + slope * 1024
-            print(
-                f"| {name} | {cells} | {slope:,.0f} B | ~{at * 4 / 2**20:.1f} MB at 8 workers (extrapolation) |"
-            )
-            continue
-        # 8 workers instead of 2: a rank's own state is 4 times larger; its share of a
-        # collective's time does not change with it, the bytes do (extrapolation).
         at = intercept + slope * 1024
-        cells = " | ".join(f"{v * 1000:.0f} ms" for v in values)
-        print(f"| {name} | {cells} | {slope * 1000:.1f} ms | ~{max(at, 0):.1f} s (extrapolation) |")
+        row: dict[str, Any] = {"form": name}
+        if "bytes" in name:
+            row.update({f"{r} ranks": f"{v:,.0f} B" for r, v in zip(ranks, values, strict=True)})
+            row["fitted per rank"] = f"{slope:,.0f} B"
+            # 8 workers instead of 2: a rank's own state is 4 times larger.
+            row["at 1,024 ranks x 8 workers (extrapolation)"] = f"~{at * 4 / 2**20:.1f} MB"
+        else:
+            row.update(
+                {f"{r} ranks": f"{v * 1000:.0f} ms" for r, v in zip(ranks, values, strict=True)}
+            )
+            row["fitted per rank"] = f"{slope * 1000:.1f} ms"
+            row["at 1,024 ranks x 8 workers (extrapolation)"] = f"~{max(at, 0):.1f} s"
+        rows.append(row)
+    return rows
+
+
+def _section(title: str, rows: Rows, notes: list[str]) -> str:
+    """A markdown section: a heading, the table, its notes."""
+    lines = [f"## {title}", "", common.format_table(list(rows[0]), rows), ""]
+    return "\n".join(lines + [f"- {note}" for note in notes] + [""])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and ranks")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer sizes and ranks; writes nothing"
+    )
+    parser.add_argument(
+        "--no-ranks", action="store_true", help="skip part 3 (gloo ranks); writes nothing"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = [10**6, 10**8, 10**10] if args.quick else [10**6, 10**7, 10**8, 10**9, 10**10]
-    part_sizes(sizes, torch_up_to=10**7 if args.quick else 10**8)
-    part_state_bytes()
-    part_ranks([2, 4] if args.quick else [2, 4, 8, 16])
+    ranks = [2, 4] if args.quick else [2, 4, 8, 16]
+    sized = part_sizes(sizes, torch_up_to=10**7 if args.quick else 10**8)
+    state_bytes = part_state_bytes()
+    print(
+        "\n" + _section("State bytes (shuffled map-style dataset of 10^9 items)", state_bytes, [])
+    )
+    ranked = [] if args.no_ranks else part_ranks(ranks)
+    rank_notes = [
+        "Each rank has 2 workers; all ranks share this machine's 2 cores (3 processes a "
+        "rank), so the times grow with the oversubscription as much as with the algorithm; "
+        "the bytes do not.",
+        "The last column extends the fitted line to 1,024 ranks: an extrapolation, not a "
+        "measurement.",
+    ]
+    if ranked:
+        print("\n" + _section("Global save and restore on gloo ranks", ranked, rank_notes))
+    written = common.write_results(
+        "bench_scale",
+        title="Scale: memory and first batch by dataset size, state bytes, global saves by ranks",
+        parameters={"batch_size": BATCH, "workers": 2, "sizes": sizes, "ranks": ranks},
+        columns=list(sized[0]),
+        rows=sized,
+        notes=[
+            "Shuffled map-style dataset (an index is its item), 2 workers, batch 32; the "
+            "time runs from building the loader to its first batch; peak RSS is each "
+            "worker's VmHWM. torch's DataLoader(shuffle=True) is measured up to 10^8.",
+            "The other two parts are below, and in the JSON file under samples.",
+        ],
+        samples={"state_bytes": state_bytes, "ranks": ranked},
+        write=not (args.quick or args.no_ranks),
+    )
+    if written is not None:
+        _, md = written
+        extra = [
+            _section("State bytes (shuffled map-style dataset of 10^9 items)", state_bytes, []),
+            _section("Global save and restore on gloo ranks", ranked, rank_notes),
+        ]
+        md.write_text(md.read_text() + "\n" + "\n".join(extra))
 
 
 if __name__ == "__main__":
