@@ -153,6 +153,20 @@ def test_a_padded_rank_resumes_exactly(workers, even):
     assert report.restores > 0
 
 
+def test_a_map_style_dataset_with_more_workers_than_batches_is_served_as_torch_serves_it():
+    """Not refused: torch's DataLoader gives a worker without a batch nothing to do, and
+    so does the loader (5 items in batches of 2: 3 batches for 4 workers)."""
+    options = {"batch_size": 2, "num_workers": 4, "persistent_workers": True}
+    torchs = torch.utils.data.DataLoader(list(range(5)), **options)
+    expected = [[batch.tolist() for batch in torchs] for _ in range(2)]
+    build = partial(SavableDataLoader, list(range(5)), **options)
+    with build() as loader:
+        assert len(loader) == len(torchs) == 3
+        assert [[batch.tolist() for batch in loader] for _ in range(2)] == expected
+    report = assert_resumes_exactly(build, epochs=2, points=[1, 3, 4], chain_items=())
+    assert report.restores > 0
+
+
 def test_the_state_of_a_padded_epoch_names_its_length():
     with _loader(9, 1, 2, 0) as loader:
         next(iter(loader))

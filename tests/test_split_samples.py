@@ -438,35 +438,92 @@ def test_spans_arithmetic() -> None:
 # -- through the loader ---------------------------------------------------------------------
 
 
+def _ids(batch: Any) -> list[int]:
+    """The sample ids of a batch: a tensor of ints (JSON lines) or a list of bytes (tar)."""
+    return [int(value) for value in batch["id"]]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loaders_on_every_rank_yield_as_many_batches_and_resume(
-    tmp_path: Path, num_workers: int
+    tmp_path: Path, kind: str, num_workers: int
 ) -> None:
-    pattern = _write_jsonl(tmp_path)
+    build_source, write, _ = KINDS[kind]
+    pattern = write(tmp_path)
     for ranks in (2, 3):
-        counts = []
+        counts, seen = [], Counter[int]()
         for rank in range(ranks):
 
             def build(rank: int = rank, ranks: int = ranks) -> SavableDataLoader:
                 config = WorkerConfig(rank=rank, world_size=ranks)
-                source = JsonLinesSource(pattern, shuffle_shards=True, seed=1)
+                source = build_source(pattern, shuffle_shards=True, seed=1)
                 return SavableDataLoader(
                     source, batch_size=4, num_workers=num_workers, worker_config=config
                 )
 
             with build() as loader:
-                whole = [[list(b["id"]) for b in loader] for _ in range(2)]
+                whole = [[_ids(b) for b in loader] for _ in range(2)]
             counts.append([len(epoch) for epoch in whole])
+            seen.update(i for batch in whole[0] for i in batch)
             with build() as loader:
                 iterator = iter(loader)
-                first = [list(next(iterator)["id"]) for _ in range(2)]
+                first = [_ids(next(iterator)) for _ in range(2)]
                 state = loader.save_state_rank()
             with build() as loader:
                 loader.restore_state_rank(state)
-                rest = [list(b["id"]) for b in loader] + [[list(b["id"]) for b in loader]]
+                rest = [_ids(b) for b in loader] + [[_ids(b) for b in loader]]
             assert first + rest[:-1] == whole[0]
             assert rest[-1] == whole[1]
         assert all(count == counts[0] for count in counts), counts
+        # Every sample is read in an epoch, padding repeats fewer than one per rank.
+        assert set(seen) == set(_every())
+        assert sum(seen.values()) - len(_every()) < ranks
+
+
+@pytest.mark.parametrize(
+    ("lengths", "ranks", "workers", "batch", "named", "numbers", "fix"),
+    [
+        ([3], 1, 4, None, "rank 0 worker 0", "3 samples in 1 file over 4 streams", 3),
+        # 32 samples on 2 ranks: 16 each, 4 batches of 4 for 5 workers.
+        (LENGTHS, 2, 5, 4, "rank 1 worker 0", "32 samples in 6 files over 10 streams", 4),
+        # 3 ranks pad 32 to 33: 11 each, 2 batches of 8 for 3 workers.
+        (LENGTHS, 3, 3, 8, "rank 2 worker 0", "32 samples in 6 files over 9 streams", 2),
+    ],
+    ids=["1x4-unbatched", "2x5", "3x3-padded"],
+)
+def test_a_worker_without_samples_is_refused_when_built(
+    tmp_path: Path,
+    kind: str,
+    lengths: list[int],
+    ranks: int,
+    workers: int,
+    batch: int | None,
+    named: str,
+    numbers: str,
+    fix: int,
+) -> None:
+    build_source, write, _ = KINDS[kind]
+    pattern = write(tmp_path, lengths)
+
+    def build(source: Any, workers: int) -> SavableDataLoader:
+        config = WorkerConfig(rank=ranks - 1, world_size=ranks)
+        return SavableDataLoader(
+            source, batch_size=batch, num_workers=workers, worker_config=config
+        )
+
+    # An endless repeat would meet the empty worker only while reading; it is refused
+    # as early as the plain source, before any worker starts.
+    for source in (build_source(pattern), build_source(pattern).repeat()):
+        with pytest.raises(ConfigError) as info:
+            build(source, workers)
+        message = str(info.value)
+        assert f"{named} would read no sample" in message
+        assert numbers in message
+        assert f"use at most {fix} worker{'s' * (fix != 1)} per rank" in message
+    # The fix it names works: every worker of the rank yields.
+    with build(build_source(pattern), fix) as loader:
+        batches = [_ids(b) if batch else [int(b["id"])] for b in loader]
+    assert len(batches) >= fix
+    assert len({tuple(ids) for ids in batches}) == len(batches)
 
 
 def test_an_old_files_split_state_names_the_fix(tmp_path: Path) -> None:

@@ -13,7 +13,10 @@ the contiguous ids ``[r L/R, (r+1) L/R)``, so that a stream reads its files from
 place on instead of every file in part. Within a rank, the ids are cut into blocks of
 ``batch_size`` and worker ``w`` of ``W`` reads a contiguous run of about ``1/W`` of the
 blocks; every rank then has the same number of samples per worker, hence yields the
-same number of batches, with or without ``drop_last``.
+same number of batches, with or without ``drop_last``. A rank with fewer blocks than
+workers would leave a worker with no sample in every fresh epoch (an empty stream, and
+an error at the first pass of an endless ``Repeat`` over it): ``ShardedSource.check_layout``
+refuses that layout when the loader is built, naming the fix (fewer workers).
 
 Sharing out samples needs the number of samples of each file: the source counts them
 once per process, reading every file (NOTE [ Counting samples ] in ``sharded.py``),
@@ -44,6 +47,7 @@ at most one span more than the saved layout had streams.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,7 +61,7 @@ from .cursor import StageState
 from .elastic import ReshardPlan
 from .index_order import Even, epoch_length
 
-__all__ = ["SampleState", "Spans", "locate", "reshard_samples", "stream_run"]
+__all__ = ["SampleState", "Spans", "locate", "reshard_samples", "starved_worker", "stream_run"]
 
 Count = Annotated[int, Field(ge=0)]
 
@@ -191,6 +195,17 @@ def stream_run(total: int, context: WorkerContext) -> tuple[int, int]:
     first = begin + min(context.worker_id * blocks // workers * block, per_rank)
     last = begin + min((context.worker_id + 1) * blocks // workers * block, per_rank)
     return first, last
+
+
+def starved_worker(total: int, context: WorkerContext) -> int | None:
+    """The first worker of ``context``'s rank whose run of ``total`` ids is empty (NOTE
+    [ Splitting files by samples ]), None when every worker reads some; ranks read as
+    many, so when one rank has such a worker, every rank has."""
+    for worker in range(max(context.num_workers, 1)):
+        first, last = stream_run(total, dataclasses.replace(context, worker_id=worker))
+        if first == last:
+            return worker
+    return None
 
 
 def locate(sample: int, starts: Sequence[int]) -> tuple[int, int]:

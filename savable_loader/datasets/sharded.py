@@ -51,7 +51,7 @@ from .file_rest import Rest, ShardState, reshard_files
 from .files import Urls, expand_urls, storage_errors
 from .index_order import Even, epoch_length
 from .retry import RetryPolicy
-from .sample_split import SampleState, Spans, reshard_samples
+from .sample_split import SampleState, Spans, reshard_samples, starved_worker
 from .stage import Stage
 
 __all__ = ["SampleState", "ShardState", "ShardedSource", "Split", "storage_errors"]
@@ -202,7 +202,8 @@ class ShardedSource(FileAccess, Stage[T]):
         """Refuses a layout on which a stream would read nothing while others read.
 
         With ``split="samples"`` the samples are counted here (NOTE [ Counting samples ])
-        and a layout is refused when the ranks would read no sample; with
+        and a layout is refused when the ranks would read no sample, or a rank's workers
+        outnumber its batches (NOTE [ Splitting files by samples ]); with
         ``split="files"``, when a stream would get no file (NOTE [ Shard listing and
         assignment ]): its rank would leave the others waiting in a collective.
 
@@ -231,14 +232,32 @@ class ShardedSource(FileAccess, Stage[T]):
 
     def _check_samples(self, context: WorkerContext) -> None:
         samples, ranks = sum(self.sample_counts()), context.world_size
-        if epoch_length(samples, ranks, self.even) > 0:
+        count = len(self.urls)
+        files = f"{samples} sample{'s' * (samples != 1)} in {count} file{'s' * (count != 1)}"
+        length = epoch_length(samples, ranks, self.even)
+        if length == 0:
+            fix = 'use even="pad" or fewer ranks' if samples else "check the files"
+            raise ConfigError(
+                f"{self.describe()}: rank {context.rank} would read no sample: {files} over "
+                f"{ranks} rank{'s' * (ranks != 1)} (even={self.even!r}) leave every rank "
+                f"with an empty epoch; {fix}"
+            )
+        worker = starved_worker(length, context)
+        if worker is None:
             return
-        fix = 'use even="pad" or fewer ranks' if samples else "check the files"
+        workers, block = context.num_workers, context.batch_size or 1
+        per_rank = length // ranks
+        blocks = -(-per_rank // block)
+        unit = f"{blocks} batch{'es' * (blocks != 1)} of {block}" if context.batch_size else ""
+        share = f"{per_rank} sample{'s' * (per_rank != 1)}" + (f" ({unit})" if unit else "")
+        smaller = ", a smaller batch_size" if block > 1 else ""
         raise ConfigError(
-            f"{self.describe()}: rank {context.rank} would read no sample: {samples} "
-            f"sample{'s' * (samples != 1)} in {len(self.urls)} files over {ranks} "
-            f"rank{'s' * (ranks != 1)} (even={self.even!r}) leave every rank with an empty "
-            f"epoch; {fix}"
+            f"{self.describe()}: rank {context.rank} worker {worker} would read no sample: "
+            f"{files} over {context.num_shards} streams ({ranks} rank{'s' * (ranks != 1)} x "
+            f"{workers} workers) give each rank {share} for its {workers} workers, so a "
+            f"worker would yield nothing in every epoch; use at most {blocks} "
+            f"worker{'s' * (blocks != 1)} per rank (num_workers={blocks}){smaller} or more "
+            "samples"
         )
 
     def order(self, epoch: int) -> list[int]:
@@ -282,9 +301,8 @@ class ShardedSource(FileAccess, Stage[T]):
 
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         """Samples left of a ``split="samples"`` stream's run (None with one stream, which
-        reads to the end of its files, or with ``split="files"``)."""
-        if self.split != "samples":
-            return None
+        reads to the end of its files, or with ``split="files"`` before its last file is
+        done); restoring the position refuses one past the stream's files."""
         cursor = self.cursor(context)
         cursor.restore(state)
         return cursor.left()  # type: ignore[attr-defined,no-any-return]
