@@ -262,18 +262,26 @@ def _resumed(name: str, options: dict[str, Any], stop: int) -> list[list[Any]]:
     return out
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "random",
-        "random_replacement",
-        "distributed",
-        "own_sampler",
-        "bucketing",
-        "shuffle_generator",
-    ],
-)
-@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+#: The cases resumed with 2 workers (restarted each epoch and persistent) at every save
+#: point; the others are resumed with 3 persistent workers at a few.
+WITH_TWO_WORKERS = [
+    "random",
+    "random_replacement",
+    "distributed",
+    "own_sampler",
+    "bucketing",
+    "shuffle_generator",
+]
+
+
+def _resume_layouts() -> list[Any]:
+    """Every case in-process, the cases of ``WITH_TWO_WORKERS`` with 2 workers too."""
+    layouts = [(name, 0, False) for name in CASES]
+    layouts += [(name, 2, p) for p in (False, True) for name in WITH_TWO_WORKERS]
+    return [pytest.param(*layout, id=f"{layout[1]}-{layout[2]}-{layout[0]}") for layout in layouts]
+
+
+@pytest.mark.parametrize(("name", "num_workers", "persistent"), _resume_layouts())
 def test_a_resumed_stream_is_the_uninterrupted_one(
     name: str, num_workers: int, persistent: bool
 ) -> None:
@@ -283,6 +291,32 @@ def test_a_resumed_stream_is_the_uninterrupted_one(
     per_epoch = len(expected[0])
     for stop in (0, 1, per_epoch - 1, per_epoch, per_epoch + 2, 2 * per_epoch + 1):
         assert _resumed(name, options, stop) == expected, f"saved after {stop} batches"
+
+
+def _three_worker_stops(per_epoch: int) -> tuple[int, int, int]:
+    """Mid-epoch with a worker other than the first next in the round-robin, after the
+    epoch's last batch (before its StopIteration), and just into the next epoch."""
+    mid = per_epoch // 2
+    return (mid + (mid % 3 == 0), per_epoch, per_epoch + 1)
+
+
+def _three_workers(name: str) -> None:
+    options = {"num_workers": 3, "persistent_workers": True}
+    with _build(SavableDataLoader, name, **options) as loader:
+        expected = _stream(loader)
+    for stop in _three_worker_stops(len(expected[0])):
+        assert _resumed(name, options, stop) == expected, f"saved after {stop} batches"
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name not in WITH_TWO_WORKERS])
+def test_three_persistent_workers_resume_exactly(name: str) -> None:
+    _three_workers(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WITH_TWO_WORKERS)
+def test_three_persistent_workers_resume_the_cases_resumed_with_two(name: str) -> None:
+    _three_workers(name)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
