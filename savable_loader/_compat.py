@@ -25,9 +25,12 @@ it has left from the checkpoint (``Stage.items_left``): sources that know their 
 (an ``IndexedDataset``, a map-style dataset, ``TokenSource``, a file source with
 ``split="samples"`` on several streams) answer by arithmetic on the state, without
 reading data or running the user's code; a map or a filter answers with its parent's
-bound, a limit with its count, batching with the batches those items fill. Where a stage
-cannot tell (a user's dataset, a shuffle buffer, a blend) nothing is checked here and
-the worker reports it when it replays.
+bound, a limit with its count, a window shuffle with its parent's less what it emitted,
+batching with the batches those items fill. Every worker with a checkpoint is asked,
+replay or not: a file source restores the position into a cursor, which refuses one
+past the stream's files. Where a stage cannot tell (a user's dataset, whole files whose
+samples are not counted, a blend) nothing is checked here and the worker reports it
+when it replays, naming ``workers[i].delivered``.
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ def check_replays(state: RankState, layout: Layout) -> None:
     """
     for worker in state.workers:
         checkpoint = worker.checkpoint
-        if checkpoint is None or worker.ended or worker.replay <= 0:
+        if checkpoint is None or worker.ended:
             continue
         context = WorkerContext(
             layout.rank,

@@ -330,8 +330,12 @@ class PipelineRuntime:
             passed = self.root.skip(replay)
         if passed < replay:
             raise StateError(
-                f"worker {self.worker_id}: the pipeline ended after {passed} of the {replay} "
-                "batches to replay; it does not reproduce the stream it saved"
+                f"invalid loader state: workers[{self.worker_id}]"
+                f".delivered is {self._replay_target}, but the pipeline ended {passed} "
+                f"batches after the checkpoint at seq {self.seq}, so at most "
+                f"{self.seq + passed} is reachable: the position lies past the end of the "
+                "data, or the pipeline does not reproduce the stream it saved. Restore a "
+                "state saved by the same pipeline over the same data"
             )
         self.seq += replay
         self.replayed += replay

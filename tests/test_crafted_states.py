@@ -11,6 +11,7 @@ crashed the process run in a subprocess, so that a segfault fails a test, not py
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import os
 import random
@@ -249,6 +250,56 @@ def test_inspect_prints_one_line_for_a_bad_format_1_dataset_state(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert len(captured.err.strip().splitlines()) == 1
+    assert "Traceback" not in captured.err
+
+
+def _format_2(tmp_path: Path, dataset_state: bytes) -> Path:
+    """A format-2 state file whose worker 0 holds the raw msgpack ``dataset_state`` as its
+    dataset state (spliced into the body: the packer refuses such data), with a valid
+    checksum."""
+    with SavableDataLoader(RandomCounter(N), batch_size=BATCH) as loader:
+        next(iter(loader))
+        payload = {"kind": "rank", "state": loader.save_state_rank().to_plain()}
+    assert payload["state"]["format_version"] == 2
+    marker = b"\0crafted dataset state\0"
+    payload["state"]["workers"][0]["checkpoint"]["state"] = marker
+    packed = msgpack.packb(marker, use_bin_type=True)
+    body = dumps(payload)[HEADER_SIZE:]
+    assert body.count(packed) == 1
+    body = body.replace(packed, dataset_state)
+    digest = hashlib.blake2b(body, digest_size=32).digest()
+    path = tmp_path / "state"
+    path.write_bytes(struct.pack(">8sHHQ32s", MAGIC, 1, 0, len(body), digest) + body)
+    return path
+
+
+FORMAT_2_CASES = [
+    ("array key", b"\x81\x91\x01\x02", "list is not allowed for map key"),
+    ("map key", b"\x81\x81\xa1a\x01\x02", "dict is not allowed for map key"),
+    ("int key", b"\x81\x01\x02", "int is not allowed for map key"),
+    ("900 levels", b"\x91" * 900 + b"\x01", "nested more than 500 levels"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "dataset_state", "fragment"), FORMAT_2_CASES, ids=[c[0] for c in FORMAT_2_CASES]
+)
+def test_a_bad_format_2_dataset_state_is_refused_at_load(tmp_path, name, dataset_state, fragment):
+    with pytest.raises(StateFormatError, match=fragment):
+        load_state(_format_2(tmp_path, dataset_state))
+
+
+@pytest.mark.parametrize(
+    ("name", "dataset_state", "fragment"), FORMAT_2_CASES, ids=[c[0] for c in FORMAT_2_CASES]
+)
+def test_inspect_prints_one_line_for_a_bad_format_2_dataset_state(
+    tmp_path, capsys, name, dataset_state, fragment
+):
+    assert main(["inspect", str(_format_2(tmp_path, dataset_state))]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1
+    assert fragment in captured.err
     assert "Traceback" not in captured.err
 
 
@@ -546,3 +597,97 @@ def test_a_delivered_past_a_files_run_or_a_limit_is_refused_at_restore(tmp_path)
     _, bad = _past_the_end(limited, 4)  # 9 items: 5 batches, 2 taken, 3 left
     with limited() as loader, pytest.raises(StateError, match="has 3 left"):
         loader.restore_state_rank(bad)
+
+
+def _two_files(tmp_path: Path) -> str:
+    for part, count in enumerate([5, 9]):
+        (tmp_path / f"{part}.jsonl").write_text("".join(f'{{"i": {i}}}\n' for i in range(count)))
+    return str(tmp_path / "*")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_files_split_shard_past_the_files_is_refused_at_restore(tmp_path, num_workers):
+    """Before: accepted, then the first next() failed (a worker error with workers)."""
+    from savable_loader import StateError
+    from savable_loader.datasets import JsonLinesSource
+
+    urls = _two_files(tmp_path)
+
+    def build() -> Any:
+        source = JsonLinesSource(urls, split="files")
+        return SavableDataLoader(source, batch_size=BATCH, num_workers=num_workers)
+
+    state, _ = _past_the_end(build, 0)
+    payload = state.model_dump()
+    source_state = payload["workers"][0]["checkpoint"]["state"]["parent"]
+    assert source_state["shard"] == 0
+    source_state["shard"] = 10**6
+    files = 2 if num_workers == 0 else 1
+    with (
+        build() as loader,
+        pytest.raises(StateError, match=f"shard 1000000 is past the stream's {files} files"),
+    ):
+        loader.restore_state_rank(payload)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_delivered_past_the_end_of_a_shuffle_is_refused_at_restore(num_workers):
+    """Before: accepted, then the first next() failed without naming the field."""
+    from savable_loader import StateError
+    from savable_loader.datasets import IndexedDataset
+
+    def build() -> Any:
+        stage = IndexedDataset(list(range(40))).shuffle(buffer_size=8, seed=3)
+        return SavableDataLoader(stage, batch_size=BATCH, num_workers=num_workers)
+
+    # 40 items are 20 batches; worker 0 of two holds 10 of them and delivered 1.
+    fits = 18 if num_workers == 0 else 9
+    _, bad = _past_the_end(build, fits + 1)
+    with (
+        build() as loader,
+        pytest.raises(StateError, match=r"workers\[0\]\.delivered is \d+, .* left in that"),
+    ):
+        loader.restore_state_rank(bad)
+    _, edge = _past_the_end(build, fits)
+    with build() as loader:
+        loader.restore_state_rank(edge)  # worker 0 at its last batch: a valid position
+        assert len(list(loader)) == (0 if num_workers == 0 else 9)  # worker 1's rest
+
+
+def _own_iterable(tmp_path: Path, num_workers: int) -> Any:
+    return SavableDataLoader(RandomCounter(N), batch_size=BATCH, num_workers=num_workers)
+
+
+def _files_split(tmp_path: Path, num_workers: int) -> Any:
+    from savable_loader.datasets import JsonLinesSource
+
+    source = JsonLinesSource(_two_files(tmp_path), split="files")
+    return SavableDataLoader(source, batch_size=BATCH, num_workers=num_workers)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(
+    ("build", "batches"),
+    [(_own_iterable, (12, 6)), (_files_split, (7, 3))],
+    ids=["own iterable", "files split"],
+)
+def test_a_replay_past_the_end_names_the_field_and_both_values(
+    tmp_path, build, batches, num_workers
+):
+    """Where nothing tells what is left before reading (a user's iterable, whole files
+    whose samples are not counted), the restore takes the state and the replay refuses
+    it. Before: "the pipeline ended after 10 of the 60 batches to replay", naming neither
+    the field nor the position the pipeline reaches."""
+    from savable_loader import StateError
+
+    _, bad = _past_the_end(lambda: build(tmp_path, num_workers), 50)
+    delivered = bad.workers[0].delivered
+    reachable = batches[0] if num_workers == 0 else batches[1]
+    with build(tmp_path, num_workers) as loader:
+        loader.restore_state_rank(bad)
+        with pytest.raises(
+            StateError,
+            match=rf"workers\[0\]\.delivered is {delivered}, .* at most {reachable} is "
+            "reachable",
+        ):
+            next(iter(loader))

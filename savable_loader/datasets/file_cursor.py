@@ -195,8 +195,12 @@ class ShardCursor(Cursor[T]):
         return passed
 
     def left(self) -> int | None:
-        """Samples left of this stream's run of the epoch; None when one stream reads the
-        files in order."""
+        """Samples left of this stream's epoch when its position tells without reading
+        data: of a ``split="samples"`` run on several streams, or none once a
+        ``split="files"`` stream is past its last file; else None (the files' samples
+        are not counted)."""
+        if self.stage.split == "files":
+            return 0 if self.url() is None else None
         run = self._sample_run()
         return None if run is None else len(run) - self.taken
 
@@ -351,7 +355,7 @@ class ShardCursor(Cursor[T]):
         if model.shard > len(places):
             left = "left of" if rest is not None else "of"
             raise StateError(
-                f"{self._where()}: file {model.shard} is past the stream's {len(places)} "
+                f"{self._where()}: shard {model.shard} is past the stream's {len(places)} "
                 f"files {left} epoch {model.epoch}; restore a state saved by the same pipeline"
             )
         if rest is not None and model.shard < len(places) and places[model.shard] in rest.starts:

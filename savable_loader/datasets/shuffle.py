@@ -37,7 +37,7 @@ from .. import rng
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..state.models import RngState
-from .cursor import Cursor, StageState, TransformCursor
+from .cursor import Cursor, StageState, TransformCursor, validate_state
 from .stage import fluent
 from .transform import Transform
 
@@ -119,6 +119,16 @@ class Shuffle(Transform[T]):
 
     def cursor(self, context: WorkerContext) -> Cursor[T]:
         return _ShuffleCursor(self, self.source.cursor(context), context)
+
+    def items_left(self, state: Any, context: WorkerContext) -> int | None:
+        """What the parent has left from the restore point, less the items of its window
+        already emitted (NOTE [ Checking a replay ] in ``_compat.py``): every item the
+        parent yields from there is emitted once, in its window."""
+        if not isinstance(state, dict) or "parent" not in state:
+            return None
+        own = validate_state(_State, {k: v for k, v in state.items() if k != "parent"}, "Shuffle")
+        parent = self.source.items_left(state["parent"], context)
+        return None if parent is None else max(0, parent - own.emitted)
 
 
 class _ShuffleCursor(TransformCursor[T]):
