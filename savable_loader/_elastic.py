@@ -153,17 +153,13 @@ class _Move:
                 f"at most {MAX_RESHARD_EPOCH} (NOTE [ Counter bounds ]); restore on the number "
                 "of workers and ranks it was saved with"
             )
-        exact: dict[tuple[int, int], Any] = {}
-        epoch, states = _check(states, layout, exact)
-        saved = states[0]
-        target = epoch + 1 if between else epoch
+        _check(states, layout)
         root = layout.root
         problem = root.not_elastic()
-        if problem is None:
-            old = tuple(_old_streams(root, states, exact))
-            untouched = all(_at_start(root, stream, target) for stream in old)
-            return cls(layout, saved, epoch, target, old, _salt(old), untouched, None, target)
-        if not approximate:
+        if problem is not None and not approximate:
+            # Refused before anything replays: a pipeline that is not elastic may not
+            # replay in the main process either (a sampler's order is drawn by the loader).
+            saved = states[0]
             changes = "; ".join(
                 f"{name} was {before} when the state was saved and is {after} now"
                 for name, before, after in (
@@ -176,6 +172,14 @@ class _Move:
                 f"cannot restore: {changes}, and the pipeline is not elastic: "
                 f"{problem.stage}: {problem.reason}. To resume, {problem.fix}"
             )
+        exact: dict[tuple[int, int], Any] = {}
+        epoch, states = _standing(states, layout, exact)
+        saved = states[0]
+        target = epoch + 1 if between else epoch
+        if problem is None:
+            old = tuple(_old_streams(root, states, exact))
+            untouched = all(_at_start(root, stream, target) for stream in old)
+            return cls(layout, saved, epoch, target, old, _salt(old), untouched, None, target)
         initial = _restarts_from_initial(root)
         restart = (
             "restarts your dataset from its initial state (restore_state(None))"
@@ -225,9 +229,12 @@ class _Move:
                 checkpoint=Checkpoint(
                     seq=1 if ended else 0,
                     state=state,
-                    rng=epoch_rng_state(
-                        layout.seed, rank, context.worker_id, target, self.salt if salted else None
-                    ),
+                    # Generators seeded for the epoch are named by it, with no bytes (NOTE
+                    # [ Untouched generators ] in rng.py); salted ones are saved as bytes.
+                    rng=epoch_rng_state(layout.seed, rank, context.worker_id, target, self.salt)
+                    if salted
+                    else None,
+                    seeded_epoch=None if salted else target,
                 ),
             )
             for context, state in zip(contexts, new_states, strict=True)
@@ -257,17 +264,8 @@ def _restarts_from_initial(root: Stage[Any]) -> bool:
     return isinstance(pipeline, (DatasetStage, StatefulDataset))
 
 
-def _check(
-    states: Sequence[RankState], layout: Layout, exact: dict[tuple[int, int], Any]
-) -> tuple[int, Sequence[RankState]]:
-    """Checks the states are one save of this pipeline; returns the epoch they stand in
-    and the states to reshard. ``exact`` receives the exact states found on the way
-    (:func:`_finish_epoch`).
-
-    Ranks that finished epoch ``e`` and have not begun ``e + 1`` count as standing at the
-    start of ``e + 1`` when the other ranks already began it; so do ranks that handed on
-    their last batch of ``e`` and not yet its end (NOTE [ A rank at its last batch ]).
-    """
+def _check(states: Sequence[RankState], layout: Layout) -> None:
+    """Checks the states are one save of this pipeline, before anything replays."""
     first = states[0]  # one_save() checked the list's ranks
     for index, state in enumerate(states):
         for name in ("fingerprint", "seed", "batch_size", "num_workers"):
@@ -298,6 +296,18 @@ def _check(
                 f"{current} now; rebuild the pipeline and loader as they were (only the "
                 "number of workers and ranks may change)"
             )
+
+
+def _standing(
+    states: Sequence[RankState], layout: Layout, exact: dict[tuple[int, int], Any]
+) -> tuple[int, Sequence[RankState]]:
+    """The epoch the states of one save stand in, and the states to reshard. ``exact``
+    receives the exact states found on the way (:func:`_finish_epoch`).
+
+    Ranks that finished epoch ``e`` and have not begun ``e + 1`` count as standing at the
+    start of ``e + 1`` when the other ranks already began it; so do ranks that handed on
+    their last batch of ``e`` and not yet its end (NOTE [ A rank at its last batch ]).
+    """
     epochs = sorted({state.epoch for state in states})
     if len(epochs) == 1:
         finished = _finished(layout.root, states, epochs[0], exact, strict=False)
