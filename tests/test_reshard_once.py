@@ -14,12 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from test_elastic import BATCH, SEED, N, _assert_accounted, _fresh_epoch, _ids, _odd_tens
 
-from savable_loader import RankState, SavableDataLoader, WorkerConfig
+from savable_loader import RankState, SavableDataLoader, StateMismatchError, WorkerConfig
 from savable_loader import _elastic as elastic
 from savable_loader._compat import states_for_layout
 from savable_loader.datasets import IndexedDataset
+from savable_loader.state.files import encode_state
 
 OLD_RANKS, OLD_WORKERS, NEW_WORKERS = 2, 2, 2
 
@@ -147,3 +149,54 @@ def test_a_save_at_the_last_batch_is_computed_once_too(runs: Counter[str]) -> No
     _, states = _save(filtered, [99, 99])
     single = _reshard_cost(filtered, states, 1, runs)
     assert _reshard_cost(filtered, states, 8, runs)[:2] == single[:2]
+
+
+class Noisy:
+    """A map-style dataset whose items draw from torch's global generator."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> float:
+        return index + float(torch.rand(1))
+
+
+def _sampled(workers: int) -> SavableDataLoader:
+    generator = torch.Generator()
+    generator.manual_seed(0)
+    return SavableDataLoader(
+        Noisy(),
+        batch_size=4,
+        num_workers=workers,
+        generator=generator,
+        worker_config=WorkerConfig(checkpoint_share=1e-9),
+    )
+
+
+def test_a_pipeline_that_is_not_elastic_is_refused_before_anything_replays(
+    runs: Counter[str],
+) -> None:
+    """The loader draws a sampler's order; replayed alone in the main process it cannot."""
+    with _sampled(2) as loader:
+        stream = iter(loader)
+        for _ in range(3):
+            next(stream)
+        state = loader.save_state_rank()
+    assert any(w.replay > 0 for w in state.workers)
+    runs.clear()
+    with _sampled(3) as loader, pytest.raises(StateMismatchError, match="not elastic"):
+        loader.restore_state_rank([state])
+    assert runs["runs"] == 0
+
+
+def test_a_reshard_between_epochs_saves_no_generator_bytes() -> None:
+    """Nothing of the resumed epoch was read: its generators are named by the epoch."""
+    _, states = _save(deterministic, [99, 99])
+    assert all(s.between_epochs for s in states)
+    with _loader(deterministic, 3, 0, 3) as loader:
+        moved = loader.reshard(states, rank=0)
+    for worker in moved.workers:
+        assert worker.checkpoint is not None
+        assert worker.checkpoint.rng is None
+        assert worker.checkpoint.seeded_epoch == 1
+    assert len(encode_state(moved)) < 1024
