@@ -433,10 +433,8 @@ def test_a_malformed_consumed_record_is_refused():
     plain = moved.to_plain()
     inner = plain["workers"][0]["checkpoint"]["state"]["parent"]["parent"]["parent"]
     inner["done"] = [inner["done_below"]]  # below is by definition not consumed
-    with _loader(indexed, 3) as loader:
-        loader.restore_state_rank(plain)
-        with pytest.raises(StateError, match="done_below"):
-            next(iter(loader))
+    with _loader(indexed, 3) as loader, pytest.raises(StateError, match="done_below"):
+        loader.restore_state_rank(plain)  # refused at the door, before any worker starts
 
 
 def test_same_layout_list_restores_each_rank_its_own_state():
