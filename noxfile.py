@@ -64,7 +64,7 @@ def install_project(session: nox.Session, *extras: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite (pytest exit code 5, no tests collected, fails the session)."""
-    install_project(session, "test", "hf", "accelerate")
+    install_project(session, "test", "hf", "accelerate", "transformers")
     session.run("pytest", *session.posargs)
 
 
