@@ -255,10 +255,13 @@ class FileCache:
             return (raw,)
         return compr[compression](raw, mode="rb"), raw
 
-    def _hold(self, url: str, fs: Any, signature: dict[str, Any]) -> tuple[int, bool]:
+    def _hold(
+        self, url: str, fs: Any, signature: dict[str, Any], *, prefetch: bool = False
+    ) -> tuple[int, bool]:
         """A shared lock on a valid entry of ``url`` (its fd), and whether this call
-        downloaded it. The shared lock is taken first and kept, so no eviction removes
-        the entry between its download and its use."""
+        downloaded it (``prefetch``: for a prefetch thread). The shared lock is taken
+        first and kept, so no eviction removes the entry between its download and its
+        use."""
         fd = os.open(self.path(url, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -270,7 +273,7 @@ class FileCache:
             downloaded = False
             with _flocked(self.path(url, ".download"), fcntl.LOCK_EX):
                 if not self._valid(url, signature):  # another may have downloaded it
-                    self._download(url, fs, signature)
+                    self._download(url, fs, signature, prefetch=prefetch)
                     downloaded = True
             if not self._valid(url, signature):
                 raise ConnectionError(f"{url} changed while it was being cached")
@@ -293,8 +296,12 @@ class FileCache:
             and size == signature["size"]
         )
 
-    def _download(self, url: str, fs: Any, signature: dict[str, Any]) -> None:
-        """Downloads ``url`` into its entry (the caller holds its download lock)."""
+    def _download(
+        self, url: str, fs: Any, signature: dict[str, Any], *, prefetch: bool = False
+    ) -> None:
+        """Downloads ``url`` into its entry (the caller holds its download lock). The
+        download is counted before the sidecar makes the entry valid, so a reader that
+        finds it valid also finds it counted."""
         data, sidecar = self.path(url, ".data"), self.path(url, ".json")
         temp = self.directory / f".tmp-{data.stem}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
@@ -312,12 +319,12 @@ class FileCache:
                 json.dump({"url": url, **signature}, out)
                 out.flush()
                 os.fsync(out.fileno())
+            self._count(bytes_downloaded=got, prefetched=int(prefetch))
             os.replace(temp, sidecar)
             self._sync_directory()
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
-        self._count(bytes_downloaded=got)
         logger.debug("%s: %d bytes downloaded into %s", url, got, data)
         self._record(got)
 
@@ -430,7 +437,7 @@ class FileCache:
         signature = _signature(fs.info(url))
         if signature["size"] > self.limit:
             return
-        fd, downloaded = self._hold(url, fs, signature)
+        fd, _ = self._hold(url, fs, signature, prefetch=True)
         dropped = []
         with self._mutex:
             keep = not self._closed and url in self._wanted and url not in self._pinned
@@ -442,8 +449,6 @@ class FileCache:
                     dropped.append(self._pinned.pop(oldest))
                     self._checked.pop(oldest, None)
                     self._wanted.discard(oldest)
-            if downloaded:
-                self.stats.prefetched += 1
         if not keep:
             dropped.append(fd)
         for held in dropped:
