@@ -21,8 +21,9 @@ loader too and reads the skipped batches again.
 The supported path, and the rule: a ``SavableDataLoader`` must not be re-created by
 Accelerate. :class:`AccelerateSavableDataLoader` carries ``_is_accelerate_prepared``,
 the mark ``Accelerator.prepare_data_loader`` reads to leave a loader it already prepared
-as it is (it still records it in ``accelerator._dataloaders``, whose sampler files it
-skips: the loader is neither a ``BatchSamplerShard`` user nor ``use_stateful_dataloader``).
+as it is (it still records it in ``accelerator._dataloaders``, for which ``save_state``
+writes nothing of its own: its ``dataset`` is no ``IterableDatasetShard`` and it has no
+``use_stateful_dataloader``).
 What the loader then does itself, in place of Accelerate's wrapper:
 
 1. **Sharding.** It shards by ``torch.distributed`` rank (initialized by the

@@ -146,7 +146,8 @@ class SavableLoaderCallback(transformers.TrainerCallback):
                 raise StateFileNotFoundError(
                     f"{path} does not exist: the checkpoint was saved without "
                     "SavableLoaderCallback or interrupted while saving; resume from a "
-                    "checkpoint a SavableTrainer saved"
+                    "checkpoint a SavableTrainer saved",
+                    path,
                 )
             states = load_state(path)
             restore_state_global(loader, states if isinstance(states, list) else [states])
