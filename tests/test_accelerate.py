@@ -231,13 +231,8 @@ def _check_resume(tmp: Path, ranks: int, kill: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(
-    "kill", ["step:18", "after:19"], ids=["mid-epoch", "right-after-checkpoint"]
-)
-def test_single_process_resumes_exactly(
-    tmp_path_factory: pytest.TempPathFactory, kill: str
-) -> None:
-    _check_resume(tmp_path_factory.mktemp("accelerate"), 1, kill)
+def test_single_process_resumes_exactly_mid_epoch(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _check_resume(tmp_path_factory.mktemp("accelerate"), 1, "step:18")
 
 
 @pytest.mark.slow

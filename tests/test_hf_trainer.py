@@ -2,14 +2,15 @@
 checkpoint.
 
 Each test runs this file as a training job (``python tests/test_hf_trainer.py ...``, in a
-session of its own): a tiny ``torch.nn.Module`` that returns a loss dict, trained on the
-CPU with ``save_steps=4``; an uninterrupted run, then a run that SIGKILLs its own process
-group (the trainer and its workers) at a chosen step, then
+session of its own; with two ranks it starts one process per rank with torchrun's
+environment variables, DDP over gloo): a tiny ``torch.nn.Module`` that returns a loss
+dict, trained on the CPU with ``save_steps=4``; an uninterrupted run, then a run that
+SIGKILLs its own process group (every rank and worker) at a chosen step, then
 ``trainer.train(resume_from_checkpoint=True)``. The model writes each training step
-(epoch, step, item ids, augmented values, loss) to a file and every worker each item it
-produced; the killed run's steps before the checkpoint's followed by the resumed run's
-must be the uninterrupted run's, and the resumed run must not have produced the batches
-before its checkpoint again.
+(epoch, step, item ids, augmented values, loss) to a file per rank and every worker each
+item it produced; the killed run's steps before the checkpoint's followed by the resumed
+run's must be the uninterrupted run's, and the resumed run must not have produced the
+batches before its checkpoint again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +33,6 @@ ITEMS = 24
 BATCH = 2
 EPOCHS = 3
 EVERY = 4  # save_steps
-PER_EPOCH = ITEMS // BATCH
 TIMEOUT = 150  # a hang is still caught; a loaded 2-core CI machine is slow
 
 
@@ -42,7 +43,12 @@ def _job(out: str, kill: str) -> None:
     from torch.utils.data import Dataset
     from transformers import TrainerCallback, TrainingArguments
 
-    from savable_loader.integrations.hf_trainer import SavableTrainer
+    from savable_loader import WorkerConfig
+    from savable_loader.integrations.hf_trainer import SavableTrainer, TrainerSavableDataLoader
+
+    rank = int(os.environ.get("RANK", "0"))
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    per_epoch = ITEMS // BATCH // ranks
 
     class Items(Dataset[dict[str, Any]]):
         def __len__(self) -> int:
@@ -71,7 +77,7 @@ def _job(out: str, kill: str) -> None:
                 "x": x.flatten().tolist(),
                 "loss": loss.item(),
             }
-            with open(f"{out}/rank0.jsonl", "a") as file:
+            with open(f"{out}/rank{rank}.jsonl", "a") as file:
                 file.write(json.dumps(record) + "\n")
             return {"loss": loss}
 
@@ -80,10 +86,28 @@ def _job(out: str, kill: str) -> None:
 
     class Steps(TrainerCallback):  # type: ignore[misc]
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if state.global_step == kill_step:
+            if state.global_step == kill_step and rank == 0:
                 os.killpg(0, signal.SIGKILL)
             model.step = state.global_step
-            model.epoch = state.global_step // PER_EPOCH
+            model.epoch = state.global_step // per_epoch
+
+    class Trainer(SavableTrainer):
+        """Builds the loader itself, as the how-to page shows."""
+
+        def get_train_dataloader(self) -> TrainerSavableDataLoader:
+            loader = TrainerSavableDataLoader(
+                self.train_dataset,
+                batch_size=self._train_batch_size,
+                shuffle=True,
+                collate_fn=self.data_collator,
+                num_workers=2,
+                seed=self.args.seed,
+                # A checkpoint after every item (these are cheap), so that a restore
+                # replays next to nothing and the count of produced items is tight.
+                worker_config=WorkerConfig(checkpoint_share=1.0),
+            )
+            prepared: TrainerSavableDataLoader = self.accelerator.prepare(loader)
+            return prepared
 
     args = TrainingArguments(
         output_dir=f"{out}/ckpt",
@@ -92,22 +116,44 @@ def _job(out: str, kill: str) -> None:
         learning_rate=1e-3,
         save_steps=EVERY,
         save_strategy="steps",
-        dataloader_num_workers=2,
         ignore_data_skip=True,
         use_cpu=True,
         report_to="none",
         disable_tqdm=True,
         logging_strategy="no",
         seed=3,
+        ddp_backend="gloo" if ranks > 1 else None,
     )
-    trainer = SavableTrainer(model=model, args=args, train_dataset=Items(), callbacks=[Steps()])
+    trainer = Trainer(model=model, args=args, train_dataset=Items(), callbacks=[Steps()])
     resume = Path(f"{out}/ckpt").exists() and any(Path(f"{out}/ckpt").iterdir())
     trainer.train(resume_from_checkpoint=True if resume else None)
 
 
-def _run(out: Path, kill: str = "none") -> int:
+def _launch(out: str, ranks: int, kill: str) -> int:
+    """Starts one job process per rank with torchrun's environment; returns the first
+    failing exit code, or 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    children = []
+    for rank in range(ranks):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        children.append(subprocess.Popen([sys.executable, __file__, "job", out, kill], env=env))
+    codes = [child.wait() for child in children]
+    return next((code for code in codes if code != 0), 0)
+
+
+def _run(out: Path, ranks: int, kill: str = "none") -> int:
     process = subprocess.Popen(
-        [sys.executable, __file__, str(out), kill],
+        [sys.executable, __file__, "launch", str(out), str(ranks), kill],
         start_new_session=True,  # the kill takes the job's group, not pytest
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -125,60 +171,85 @@ def _run(out: Path, kill: str = "none") -> int:
     return process.returncode
 
 
-def _records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()]
+def _records(out: Path, rank: int) -> list[dict[str, Any]]:
+    lines = (out / f"rank{rank}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 def _produced(out: Path) -> int:
     return len((out / "produced.txt").read_text().splitlines())
 
 
-_REFERENCE: list[list[dict[str, Any]]] = []
+_REFERENCES: dict[int, list[list[dict[str, Any]]]] = {}
 
 
-def _reference(tmp: Path) -> list[dict[str, Any]]:
-    if not _REFERENCE:
+def _reference(tmp: Path, ranks: int) -> list[list[dict[str, Any]]]:
+    if ranks not in _REFERENCES:
         out = tmp / "reference"
         out.mkdir()
-        _run(out)
-        _REFERENCE.append(_records(out))
-    return _REFERENCE[0]
+        _run(out, ranks)
+        _REFERENCES[ranks] = [_records(out, rank) for rank in range(ranks)]
+    return _REFERENCES[ranks]
+
+
+def _check_resume(tmp: Path, ranks: int, kill: str) -> None:
+    reference = _reference(tmp, ranks)
+    per_epoch = ITEMS // BATCH // ranks
+    out = tmp / "run"
+    out.mkdir()
+    assert _run(out, ranks, kill) == -signal.SIGKILL
+    killed = [_records(out, rank) for rank in range(ranks)]
+    for rank in range(ranks):
+        (out / f"rank{rank}.jsonl").rename(out / f"killed{rank}.jsonl")
+    (out / "produced.txt").unlink()
+    _run(out, ranks)
+    for rank in range(ranks):
+        assert [r["step"] for r in reference[rank]] == list(range(EPOCHS * per_epoch))
+        resumed = _records(out, rank)
+        start = resumed[0]["step"]
+        assert start == int(kill.partition(":")[2]) // EVERY * EVERY, start
+        assert start % per_epoch != 0, start  # mid-epoch: a fresh epoch would differ
+        before = [record for record in killed[rank] if record["step"] < start]
+        assert len(before) == start  # the killed run reached the checkpoint
+        # Batch for batch (ids, augmented values, losses): nothing replayed or skipped.
+        assert before + resumed == reference[rank], rank
+    # The resumed run produced the items it trained on, not the epoch's skipped ones.
+    trained = sum(len(r["ids"]) for rank in range(ranks) for r in _records(out, rank))
+    skipped = (start % per_epoch) * BATCH * ranks
+    assert trained <= _produced(out) < trained + skipped, (_produced(out), trained, skipped)
+    for epoch in range(EPOCHS):
+        seen = sorted(
+            i
+            for rank in range(ranks)
+            for r in reference[rank]
+            for i in r["ids"]
+            if r["epoch"] == epoch
+        )
+        assert seen == list(range(ITEMS)), (epoch, seen)  # each epoch reads every item once
+    orders = [[r["ids"] for r in reference[0] if r["epoch"] == epoch] for epoch in range(EPOCHS)]
+    assert orders[0] != orders[1] != orders[2]  # a new order every epoch
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(
-    "kill", ["step:18", "after:20"], ids=["mid-epoch", "right-after-checkpoint"]
-)
-def test_trainer_resumes_exactly(tmp_path_factory: pytest.TempPathFactory, kill: str) -> None:
-    tmp = tmp_path_factory.mktemp("hf_trainer")
-    reference = _reference(tmp)
-    assert [r["step"] for r in reference] == list(range(EPOCHS * PER_EPOCH))
-    out = tmp / "run"
-    out.mkdir()
-    assert _run(out, kill) == -signal.SIGKILL
-    killed = _records(out)
-    (out / "rank0.jsonl").rename(out / "killed.jsonl")
-    (out / "produced.txt").unlink()
-    _run(out)
-    resumed = _records(out)
-    start = resumed[0]["step"]
-    assert start == int(kill.partition(":")[2]) // EVERY * EVERY, start
-    assert start % PER_EPOCH != 0, start  # mid-epoch: a fresh epoch would differ
-    before = [record for record in killed if record["step"] < start]
-    assert len(before) == start  # the killed run reached the checkpoint
-    # Batch for batch (ids, augmented values, losses): nothing replayed or skipped.
-    assert before + resumed == reference
-    # The resumed run produced the items it trained on, not the epoch's skipped ones.
-    trained = sum(len(r["ids"]) for r in resumed)
-    skipped = (start % PER_EPOCH) * BATCH
-    assert trained <= _produced(out) < trained + skipped, (_produced(out), trained, skipped)
-    for epoch in range(EPOCHS):
-        seen = sorted(i for r in reference if r["epoch"] == epoch for i in r["ids"])
-        assert seen == list(range(ITEMS)), (epoch, seen)  # each epoch reads every item once
-    orders = [[r["ids"] for r in reference if r["epoch"] == epoch] for epoch in range(EPOCHS)]
-    assert orders[0] != orders[1] != orders[2]  # a new order every epoch
+def test_trainer_resumes_exactly_mid_epoch(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _check_resume(tmp_path_factory.mktemp("hf_trainer"), 1, "step:18")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_resume_exactly_after_a_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    _check_resume(tmp_path_factory.mktemp("hf_trainer"), 2, "after:8")
 
 
 if __name__ == "__main__":
-    _job(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "launch":
+        ranks = int(sys.argv[3])
+        if ranks == 1:
+            _job(sys.argv[2], sys.argv[4])
+        else:
+            sys.exit(_launch(sys.argv[2], ranks, sys.argv[4]))
+    else:
+        _job(sys.argv[2], sys.argv[3])
