@@ -244,6 +244,20 @@ def test_two_ranks_resume_exactly_after_a_checkpoint(
     _check_resume(tmp_path_factory.mktemp("hf_trainer"), 2, "after:8")
 
 
+def test_a_mid_epoch_resume_with_uneven_accumulation_is_refused() -> None:
+    from savable_loader.errors import ConfigError
+    from savable_loader.integrations.hf_trainer import _check_accumulation
+
+    class Loader:
+        def __len__(self) -> int:
+            return 10
+
+    _check_accumulation(Loader(), 2, 3)  # type: ignore[arg-type]  # 2 divides 10
+    _check_accumulation(Loader(), 3, 8)  # type: ignore[arg-type]  # 4 updates an epoch: its end
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps is 3"):
+        _check_accumulation(Loader(), 3, 5)  # type: ignore[arg-type]
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "launch":
         ranks = int(sys.argv[3])

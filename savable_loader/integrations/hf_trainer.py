@@ -32,9 +32,9 @@ loader never sees the end of a full epoch: each ``iter()`` of a
 :class:`TrainerSavableDataLoader` moves on to the next epoch at its first ``next()`` when
 the current one has nothing left, as a new iterator of torch's ``DataLoader`` would.
 
-Limits: ``gradient_accumulation_steps`` must divide the batches of an epoch (the resumed
-epoch's count starts at 0, so the last, shorter accumulation of a resumed epoch would
-otherwise not step the optimizer); the per-step ``epoch`` fraction the Trainer logs in
+Limits: ``gradient_accumulation_steps`` must divide the batches of an epoch for a
+mid-epoch resume (the resumed epoch's count starts at 0, so its last, shorter
+accumulation would not step the optimizer; the callback refuses such a resume); the per-step ``epoch`` fraction the Trainer logs in
 the resumed epoch counts from that epoch's restart; hyperparameter search runs are not
 covered (the callback writes under ``output_dir``).
 """
@@ -109,6 +109,23 @@ def _loaders(trainer_loader: Any) -> list[TrainerSavableDataLoader]:
     return [trainer_loader] if isinstance(trainer_loader, TrainerSavableDataLoader) else []
 
 
+def _check_accumulation(loader: TrainerSavableDataLoader, accumulation: int, step: int) -> None:
+    """Refuses a mid-epoch resume whose last accumulation would not step the optimizer."""
+    try:
+        batches = len(loader)
+    except TypeError:  # no length: the Trainer counts by max_steps
+        return
+    updates = -(-batches // accumulation)
+    if batches % accumulation and step % updates:
+        raise ConfigError(
+            f"cannot resume exactly at optimizer step {step}, inside an epoch: "
+            f"gradient_accumulation_steps is {accumulation} and an epoch has {batches} "
+            "batches, which it does not divide, so the resumed epoch's last accumulation "
+            "would not step the optimizer where an uninterrupted run does; make "
+            "gradient_accumulation_steps divide the batches per epoch"
+        )
+
+
 class SavableLoaderCallback(transformers.TrainerCallback):
     """Saves the train loader's state into each checkpoint and restores it on resume.
 
@@ -136,11 +153,15 @@ class SavableLoaderCallback(transformers.TrainerCallback):
         Raises:
             StateFileNotFoundError: The checkpoint holds no loader state (saved without
                 this callback, or interrupted while saving).
+            ConfigError: The checkpoint stands mid-epoch and ``gradient_accumulation_steps``
+                does not divide the epoch's batches (NOTE [ What the Trainer does with a
+                loader on resume ], limits).
         """
         folder, self.resume_folder = self.resume_folder, None
         if folder is None:
             return
         for loader in _loaders(kwargs.get("train_dataloader")):
+            _check_accumulation(loader, args.gradient_accumulation_steps, state.global_step)
             path = os.path.join(folder, STATE_FILE)
             if not os.path.exists(path):
                 raise StateFileNotFoundError(
