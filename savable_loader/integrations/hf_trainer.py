@@ -34,9 +34,10 @@ the current one has nothing left, as a new iterator of torch's ``DataLoader`` wo
 
 Limits: ``gradient_accumulation_steps`` must divide the batches of an epoch for a
 mid-epoch resume (the resumed epoch's count starts at 0, so its last, shorter
-accumulation would not step the optimizer; the callback refuses such a resume); the per-step ``epoch`` fraction the Trainer logs in
-the resumed epoch counts from that epoch's restart; hyperparameter search runs are not
-covered (the callback writes under ``output_dir``).
+accumulation would not step the optimizer; the callback refuses such a resume); the
+per-step ``epoch`` fraction the Trainer logs in the resumed epoch counts from that
+epoch's restart; hyperparameter search runs are not covered (the callback writes under
+``output_dir``).
 """
 
 from __future__ import annotations
