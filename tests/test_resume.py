@@ -35,12 +35,10 @@ def test_no_workers(batch_size):
         (1, 2),
         (2, None),
         (2, 3),
-        pytest.param(1, None, marks=slow),
-        pytest.param(2, 1, marks=slow),
-        pytest.param(3, None, marks=slow),
+        # One worker, batch sizes 1 and None, and 4 workers with batches of 3 added
+        # nothing the kept cases do not cover, for about a minute of the suite.
         pytest.param(3, 3, marks=slow),
         pytest.param(4, 1, marks=slow),
-        pytest.param(4, 3, marks=slow),
     ],
 )
 def test_workers_uneven_shards(num_workers, batch_size):
@@ -53,7 +51,7 @@ def test_workers_uneven_shards(num_workers, batch_size):
 
 
 @slow
-@pytest.mark.parametrize("prefetch_factor", [1, 2, 3, 4])
+@pytest.mark.parametrize("prefetch_factor", [1, 4])
 def test_prefetch_factor(prefetch_factor):
     assert_resumes_exactly(
         _build(
@@ -65,9 +63,7 @@ def test_prefetch_factor(prefetch_factor):
     )
 
 
-@pytest.mark.parametrize(
-    "num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)]
-)
+@pytest.mark.parametrize("num_workers", [0, pytest.param(3, marks=slow)])
 def test_drop_last(num_workers):
     report = assert_resumes_exactly(
         _build(
@@ -86,8 +82,8 @@ def test_three_epochs_with_four_workers_and_many_points():
     report = assert_resumes_exactly(
         _build(lambda: RandomCounter(9, uneven=True), batch_size=2, num_workers=4),
         epochs=3,
-        num_points=8,
-        chain_items=(1, 2, 5),
+        num_points=5,
+        chain_items=(1, 5),
     )
     assert report.chains > 0
 
@@ -114,7 +110,7 @@ def test_stateful_object(num_workers):
 
 
 @slow
-@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])  # fork: every other test
 def test_start_methods(method):
     assert_resumes_exactly(
         _build(
