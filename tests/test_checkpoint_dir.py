@@ -5,6 +5,7 @@ killed half-way leaves the previous checkpoint valid, and a restore reads what i
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +127,10 @@ def test_a_damaged_metadata_file_is_a_state_error(tmp_path: Path) -> None:
 def _job_save(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     """Each rank reads 2 batches, saves into a directory, reads the rest of two epochs."""
     with _loader(rank, world_size, num_workers=1) as loader:
-        _ids(loader, 2)
+        head = _ids(loader, 2)
         save_checkpoint(loader, tmp / f"ckpt-{world_size}")
-        rest = _ids(loader) + _ids(loader)
-    return {"rest": rest}
+        rest, after = _ids(loader), _ids(loader)
+    return {"head": head, "rest": rest, "next": after}
 
 
 def _job_restore(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
@@ -146,8 +147,8 @@ def _job_restore(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     module.load_state = tracked  # type: ignore[assignment]
     with _loader(rank, world_size, num_workers=1) as loader:
         load_checkpoint(loader, tmp / "ckpt-2")
-        rest = _ids(loader) + _ids(loader)
-    return {"rest": rest, "opened": opened}
+        rest, after = _ids(loader), _ids(loader)
+    return {"rest": rest, "next": after, "opened": opened}
 
 
 _JOBS = {"save": _job_save, "restore": _job_restore}
@@ -168,11 +169,25 @@ def test_ranks_write_their_own_files_and_restore_on_the_same_or_another_layout(
     assert len(saves) == 1
     assert sorted(p.name for p in saves[0].iterdir()) == ["rank-0.msgpack", "rank-1.msgpack"]
     same = _launch("restore", 2, tmp_path)
-    assert [report["rest"] for report in same] == [report["rest"] for report in saved]
+    for key in ("rest", "next"):
+        assert [report[key] for report in same] == [report[key] for report in saved]
     assert [report["opened"] for report in same] == [["rank-0.msgpack"], ["rank-1.msgpack"]]
     wider = _launch("restore", 3, tmp_path)
     assert wider[0]["opened"] == ["rank-0.msgpack", "rank-1.msgpack"]  # read once, on rank 0
     assert wider[1]["opened"] == wider[2]["opened"] == []
-    # The rest of the interrupted epoch moves to 3 ranks: as many batches on each.
+    # The rest of the interrupted epoch moves to 3 ranks: as many batches on each, and
+    # exactly the items the 2 ranks had left (18 positions of their padded epoch of 30,
+    # which 3 ranks share without padding more), none lost, none repeated.
     firsts = [len(report["rest"]) for report in wider]
     assert len(set(firsts)) == 1
+
+    def items(reports: list[dict[str, Any]], key: str) -> Counter[int]:
+        return Counter(item for report in reports for batch in report[key] for item in batch)
+
+    assert items(wider, "rest") == items(saved, "rest")
+    assert set(items(saved, "head") + items(wider, "rest")) == set(range(N))
+    # The next epoch is a fresh 3-rank run's.
+    for rank, report in enumerate(wider):
+        with _loader(rank, 3, num_workers=1) as fresh:
+            _ids(fresh)
+            assert report["next"] == _ids(fresh), f"rank {rank}: the next epoch differs"
