@@ -34,7 +34,7 @@ Without ``torch.distributed`` initialised, both functions work for a single rank
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -56,7 +56,7 @@ from .errors import (
 )
 from .state.models import RankState, one_save
 
-__all__ = ["restore_state_global", "save_state_global"]
+__all__ = ["every_rank_state_dict", "restore_state_global", "save_state_global"]
 
 
 class SavableDataLoader(Protocol):
@@ -264,6 +264,42 @@ def _validated(states: Any) -> list[RankState]:
             f"restore_state_global takes a list of states, got {type(states).__name__}"
         )
     return one_save(states)
+
+
+def every_rank_state_dict(
+    loader: SavableDataLoader, own: Callable[[], dict[str, bytes]]
+) -> dict[str, bytes]:
+    """Every rank's entry of the loader's ``state_dict()``: ``{"rank_0": ..., ...}``.
+
+    For a trainer that writes its checkpoint from one process (Lightning, Accelerate): a
+    collective over the loader's ``data_parallel_group`` when ``torch.distributed`` is
+    initialized and the loader has more than one rank (every rank calls it); this rank's
+    own entry otherwise.
+
+    Args:
+        loader: The loader.
+        own: Returns this rank's entry (``SavableDataLoader.state_dict`` of the loader).
+
+    Raises:
+        SavableLoaderError: Saving failed on some rank (every rank raises, naming it).
+    """
+    if loader.world_size == 1 or not _initialized():
+        return own()
+    mine: dict[str, bytes] | str
+    try:
+        mine = own()
+    except Exception as error:  # reported to every rank, so that no rank waits
+        mine = f"rank {loader.rank}: {type(error).__name__}: {error}"
+    group = loader.worker_config.data_parallel_group
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    failed = [entry for entry in gathered if isinstance(entry, str)]
+    if failed:
+        raise SavableLoaderError(f"saving the loader's state failed: {'; '.join(failed)}")
+    merged: dict[str, bytes] = {}
+    for entry in gathered:
+        merged.update(entry)
+    return merged
 
 
 def _agree(

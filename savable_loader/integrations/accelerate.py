@@ -51,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import SavableLoaderError
+from ..distributed import every_rank_state_dict as _every_rank
 from ..loader import SavableDataLoader
 
 try:
@@ -76,25 +76,7 @@ def every_rank_state_dict(loader: SavableDataLoader) -> dict[str, bytes]:
     Raises:
         SavableLoaderError: Saving failed on some rank (every rank raises, naming it).
     """
-    import torch.distributed as dist
-
-    if loader.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return SavableDataLoader.state_dict(loader)
-    own: dict[str, bytes] | str
-    try:
-        own = SavableDataLoader.state_dict(loader)
-    except Exception as error:  # reported to every rank, so that no rank waits
-        own = f"rank {loader.rank}: {type(error).__name__}: {error}"
-    group = loader.worker_config.data_parallel_group
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, own, group=group)
-    failed = [entry for entry in gathered if isinstance(entry, str)]
-    if failed:
-        raise SavableLoaderError(f"saving the loader's state failed: {'; '.join(failed)}")
-    merged: dict[str, bytes] = {}
-    for entry in gathered:
-        merged.update(entry)
-    return merged
+    return _every_rank(loader, lambda: SavableDataLoader.state_dict(loader))
 
 
 class _PlacedIterator(Iterator[Any]):

@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ..distributed import every_rank_state_dict
 from ..errors import SavableLoaderError
 from ..loader import SavableDataLoader
 
@@ -116,25 +117,7 @@ class LightningSavableDataLoader(SavableDataLoader):
         Raises:
             SavableLoaderError: Saving failed on some rank (every rank raises, naming it).
         """
-        import torch.distributed as dist
-
-        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return super().state_dict()
-        mine: dict[str, bytes] | str
-        try:
-            mine = super().state_dict()
-        except Exception as error:  # reported to every rank, so that no rank waits
-            mine = f"rank {self.rank}: {type(error).__name__}: {error}"
-        group = self.worker_config.data_parallel_group
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        failed = [entry for entry in gathered if isinstance(entry, str)]
-        if failed:
-            raise SavableLoaderError(f"saving the loader's state failed: {'; '.join(failed)}")
-        merged: dict[str, bytes] = {}
-        for entry in gathered:
-            merged.update(entry)
-        return merged
+        return every_rank_state_dict(self, super().state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores this rank's entry of what :meth:`state_dict` returned.
