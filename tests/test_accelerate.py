@@ -22,9 +22,9 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from trainer_jobs import Records, check_resume, records, run_job
 
 pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
 
@@ -149,84 +149,29 @@ def _launch(out: str, ranks: int, kill: str) -> int:
 
 
 def _run(out: Path, ranks: int, kill: str = "none") -> int:
-    command = [sys.executable, __file__, "launch", str(out), str(ranks), kill]
-    process = subprocess.Popen(
-        command,
-        start_new_session=True,  # the kill takes the job's group, not pytest
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    try:
-        _, err = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    if kill == "none" or process.returncode != -signal.SIGKILL:
-        assert process.returncode == 0, err[-3000:]
-    return process.returncode
+    return run_job([sys.executable, __file__, "launch", str(out), str(ranks), kill], kill, TIMEOUT)
 
 
-def _records(out: Path, rank: int) -> list[dict[str, Any]]:
-    lines = (out / f"rank{rank}.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+_REFERENCES: dict[int, list[Records]] = {}
 
 
-def _produced(out: Path) -> int:
-    return len((out / "produced.txt").read_text().splitlines())
-
-
-_REFERENCES: dict[int, list[list[dict[str, Any]]]] = {}
-
-
-def _reference(tmp: Path, ranks: int) -> list[list[dict[str, Any]]]:
+def _check_resume(tmp: Path, ranks: int, kill: str) -> None:
     if ranks not in _REFERENCES:
         out = tmp / "reference"
         out.mkdir()
         _run(out, ranks)
-        _REFERENCES[ranks] = [_records(out, rank) for rank in range(ranks)]
-    return _REFERENCES[ranks]
-
-
-def _check_resume(tmp: Path, ranks: int, kill: str) -> None:
-    reference = _reference(tmp, ranks)
-    out = tmp / "run"
-    out.mkdir()
-    assert _run(out, ranks, kill) == -signal.SIGKILL
-    killed = [_records(out, rank) for rank in range(ranks)]
-    for rank in range(ranks):
-        (out / f"rank{rank}.jsonl").rename(out / f"killed{rank}.jsonl")
-    (out / "produced.txt").unlink()
-    _run(out, ranks)
-    per_epoch = ITEMS // BATCH // ranks
-    for rank in range(ranks):
-        resumed = _records(out, rank)
-        start = resumed[0]["step"]
-        assert 0 < start < len(reference[rank]), start
-        assert start % EVERY == 0, start
-        assert start % per_epoch != 0, start  # mid-epoch: a fresh epoch would differ
-        before = [record for record in killed[rank] if record["step"] < start]
-        assert len(before) == start  # the killed run reached the checkpoint
-        # Batch for batch (ids, augmented values, losses): nothing replayed or skipped.
-        assert before + resumed == reference[rank], rank
-    # The resumed run produced the items it trained on, not the epoch's skipped ones:
-    # a skip-based resume would have produced its checkpoint's share of the epoch again.
-    trained = sum(len(r["ids"]) for rank in range(ranks) for r in _records(out, rank))
-    skipped = (start % per_epoch) * BATCH * ranks
-    assert trained <= _produced(out) < trained + skipped, (_produced(out), trained, skipped)
-    for epoch in range(EPOCHS):
-        seen = sorted(
-            i
-            for rank in range(ranks)
-            for r in reference[rank]
-            for i in r["ids"]
-            if r["epoch"] == epoch
-        )
-        assert seen == list(range(ITEMS)), (epoch, seen)  # each epoch reads every item once
-    orders = [[r["ids"] for r in reference[0] if r["epoch"] == epoch] for epoch in range(EPOCHS)]
-    assert orders[0] != orders[1] != orders[2]  # a new order every epoch
+        _REFERENCES[ranks] = [records(out, rank) for rank in range(ranks)]
+    check_resume(
+        _run,
+        _REFERENCES[ranks],
+        tmp,
+        ranks,
+        kill,
+        items=ITEMS,
+        batch=BATCH,
+        epochs=EPOCHS,
+        every=EVERY,
+    )
 
 
 @pytest.mark.slow

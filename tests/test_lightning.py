@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from trainer_jobs import records, run_job
 
 pytest.importorskip("lightning", reason="the lightning extra is not installed")
 
@@ -117,28 +117,7 @@ def _job(out: str, ranks: int, distributed_sampler: str, ckpt: str, kill: str) -
 
 def _run(out: Path, ranks: int, sampler: str, ckpt: str, kill: str = "none") -> int:
     command = [sys.executable, __file__, str(out), str(ranks), sampler, ckpt, kill]
-    process = subprocess.Popen(
-        command,
-        start_new_session=True,  # the kill takes the job's group, not pytest
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    try:
-        _, err = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    if kill == "none" or process.returncode != -signal.SIGKILL:
-        assert process.returncode == 0, err[-3000:]
-    return process.returncode
-
-
-def _records(out: Path, rank: int) -> list[dict[str, Any]]:
-    lines = (out / f"rank{rank}.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return run_job(command, kill, TIMEOUT)
 
 
 _REFERENCES: dict[tuple[int, str, str], list[list[dict[str, Any]]]] = {}
@@ -150,7 +129,7 @@ def _reference(tmp: Path, ranks: int, sampler: str, ckpt: str) -> list[list[dict
         out = tmp / "reference"
         out.mkdir()
         _run(out, ranks, sampler, ckpt)
-        _REFERENCES[key] = [_records(out, rank) for rank in range(ranks)]
+        _REFERENCES[key] = [records(out, rank) for rank in range(ranks)]
     return _REFERENCES[key]
 
 
@@ -159,13 +138,13 @@ def _check_resume(tmp: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> 
     out = tmp / "run"
     out.mkdir()
     assert _run(out, ranks, sampler, ckpt, kill) == -signal.SIGKILL
-    killed = [_records(out, rank) for rank in range(ranks)]
+    killed = [records(out, rank) for rank in range(ranks)]
     for rank in range(ranks):
         (out / f"rank{rank}.jsonl").rename(out / f"killed{rank}.jsonl")
     _run(out, ranks, sampler, ckpt)
     per_epoch = STEPS_PER_EPOCH * (2 // ranks)
     for rank in range(ranks):
-        resumed = _records(out, rank)
+        resumed = records(out, rank)
         start = resumed[0]["step"]
         assert 0 < start < len(reference[rank]), start
         if ckpt == "epochs":
