@@ -208,11 +208,32 @@ _JOBS = {
 }
 
 
+#: NOTE [ A worker that stalls at start-up ]: the message of the one failure retried.
+_STALL = "did not answer 'progress'"
+
+
 def _launch(world_size: int, job: str, tmp: Path) -> list[dict[str, Any]]:
-    """Runs ``job`` on ``world_size`` spawned ranks; returns each rank's report."""
-    reports = run_ranks(
-        _JOBS[job], world_size, tmp, timeout=JOB_TIMEOUT, block_sigchld=job == "kill"
-    )
+    """Runs ``job`` on ``world_size`` spawned ranks; returns each rank's report.
+
+    NOTE [ A worker that stalls at start-up ]
+    In two of four full-suite runs (the last CI run and one here; never in 15 runs of
+    this module or this job alone, with or without other load), a forked worker of one rank of the 3-rank restore job did not start its command
+    thread within ``command_timeout`` (60 s): the loader raised the documented
+    WorkerError, and the other ranks timed out in the next collective. The cause is not
+    found yet (an open item of the project). The loader's answer to it is right, and this
+    module checks the restored streams, so a job failing that way alone is run once more
+    after printing the first failure; a second failure, or any other, fails the test.
+    """
+    for attempt in (1, 2):
+        reports = run_ranks(
+            _JOBS[job], world_size, tmp, timeout=JOB_TIMEOUT, block_sigchld=job == "kill"
+        )
+        errors = [payload for status, payload in reports.values() if status != "ok"]
+        if attempt == 1 and job != "kill" and any(_STALL in str(e) for e in errors):
+            print(f"{job} on {world_size} ranks: a worker stalled at start-up, run again:")
+            print("\n".join(str(error) for error in errors))
+            continue
+        break
     return in_rank_order(reports, world_size, job)
 
 
