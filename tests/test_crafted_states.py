@@ -15,6 +15,7 @@ import hashlib
 import io
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -273,10 +274,11 @@ def _format_2(tmp_path: Path, dataset_state: bytes) -> Path:
     return path
 
 
+# msgpack names the key's type as "list" (1.1) or "<class 'list'>" (1.0).
 FORMAT_2_CASES = [
-    ("array key", b"\x81\x91\x01\x02", "list is not allowed for map key"),
-    ("map key", b"\x81\x81\xa1a\x01\x02", "dict is not allowed for map key"),
-    ("int key", b"\x81\x01\x02", "int is not allowed for map key"),
+    ("array key", b"\x81\x91\x01\x02", r"list'?>? is not allowed for map key"),
+    ("map key", b"\x81\x81\xa1a\x01\x02", r"dict'?>? is not allowed for map key"),
+    ("int key", b"\x81\x01\x02", r"int'?>? is not allowed for map key"),
     ("900 levels", b"\x91" * 900 + b"\x01", "nested more than 500 levels"),
 ]
 
@@ -299,7 +301,7 @@ def test_inspect_prints_one_line_for_a_bad_format_2_dataset_state(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert len(captured.err.strip().splitlines()) == 1
-    assert fragment in captured.err
+    assert re.search(fragment, captured.err), captured.err
     assert "Traceback" not in captured.err
 
 
