@@ -6,6 +6,17 @@ Every source that reads files (the file sources, ``TokenSource``, ``TableSource`
 any of them: ``cache_stats()`` and ``close_cache()``. What the cache does is NOTE
 [ File cache ] in ``cache.py``; how a read is retried is NOTE [ Retries ] in
 ``retry.py``.
+
+NOTE [ fsspec after fork ]
+fsspec runs its async filesystems (s3fs, gcsfs, http) on one event loop, in a thread of
+the process. A forked worker inherits that loop object but not its thread, so its first
+call (``info``, ``open``) waits forever for a loop no thread runs. Recent fsspec releases
+forget the loop in a forked child themselves (``reset_after_fork``, registered with
+``os.register_at_fork``); older ones, down to the 2024.6 this project supports, do not,
+and a loader whose workers are forked (torch's default) hung reading ``s3://`` once its
+main process had used S3 (``tests/test_token_cache.py`` under ``nox -s tests_lowest``).
+So on those releases the reset is registered here: the child starts a loop of its own at
+its first async call.
 """
 
 from __future__ import annotations
@@ -31,16 +42,7 @@ logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-# NOTE [ fsspec after fork ]
-# fsspec runs its async filesystems (s3fs, gcsfs, http) on one event loop, in a thread of
-# the process. A forked worker inherits that loop object but not its thread, so its
-# first call (``info``, ``open``) waits forever for a loop no thread runs. Recent fsspec
-# releases forget the loop in a forked child themselves (``reset_after_fork``, registered
-# with ``os.register_at_fork``); older ones, down to the 2024.6 this project supports, do
-# not, and a loader whose workers are forked (torch's default) hung reading ``s3://``
-# once its main process had used S3 (``tests/test_token_cache.py`` under
-# ``nox -s tests_lowest``). So on those releases the reset is registered here: the
-# child starts a loop of its own at its first async call.
+# NOTE [ fsspec after fork ] in the module docstring.
 if not hasattr(fsspec.asyn, "reset_after_fork"):  # pragma: no cover - fsspec version
     os.register_at_fork(after_in_child=fsspec.asyn.reset_lock)
 
