@@ -18,13 +18,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from trainer_jobs import Records, check_resume, records, run_job
+from trainer_jobs import check_script_resumes, launch_ranks
 
 pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
 
@@ -125,53 +123,9 @@ def _job(out: str, kill: str) -> None:
     accelerator.end_training()
 
 
-def _launch(out: str, ranks: int, kill: str) -> int:
-    """Starts one job process per rank with torchrun's environment; returns the first
-    failing exit code, or 0."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    children = []
-    for rank in range(ranks):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(ranks),
-            "LOCAL_WORLD_SIZE": str(ranks),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        command = [sys.executable, __file__, "job", out, kill]
-        children.append(subprocess.Popen(command, env=env))
-    codes = [child.wait() for child in children]
-    return next((code for code in codes if code != 0), 0)
-
-
-def _run(out: Path, ranks: int, kill: str = "none") -> int:
-    return run_job([sys.executable, __file__, "launch", str(out), str(ranks), kill], kill, TIMEOUT)
-
-
-_REFERENCES: dict[int, list[Records]] = {}
-
-
 def _check_resume(tmp: Path, ranks: int, kill: str) -> None:
-    if ranks not in _REFERENCES:
-        out = tmp / "reference"
-        out.mkdir()
-        _run(out, ranks)
-        _REFERENCES[ranks] = [records(out, rank) for rank in range(ranks)]
-    check_resume(
-        _run,
-        _REFERENCES[ranks],
-        tmp,
-        ranks,
-        kill,
-        items=ITEMS,
-        batch=BATCH,
-        epochs=EPOCHS,
-        every=EVERY,
-    )
+    sizes = {"items": ITEMS, "batch": BATCH, "epochs": EPOCHS, "every": EVERY}
+    check_script_resumes(__file__, tmp, ranks, kill, timeout=TIMEOUT, **sizes)
 
 
 @pytest.mark.slow
@@ -194,6 +148,6 @@ if __name__ == "__main__":
         if ranks == 1:
             _job(sys.argv[2], sys.argv[4])
         else:
-            sys.exit(_launch(sys.argv[2], ranks, sys.argv[4]))
+            sys.exit(launch_ranks(__file__, sys.argv[2], ranks, sys.argv[4]))
     else:
         _job(sys.argv[2], sys.argv[3])

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -110,3 +112,46 @@ def check_resume(
         assert seen == list(range(items)), (epoch, seen)  # each epoch reads every item once
     orders = [[r["ids"] for r in reference[0] if r["epoch"] == epoch] for epoch in range(epochs)]
     assert orders[0] != orders[1] != orders[2]  # a new order every epoch
+
+
+def launch_ranks(script: str, out: str, ranks: int, kill: str) -> int:
+    """Starts ``script job OUT KILL`` once per rank with torchrun's environment variables
+    (a free loopback port); returns the first failing exit code, or 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    children = []
+    for rank in range(ranks):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        children.append(subprocess.Popen([sys.executable, script, "job", out, kill], env=env))
+    codes = [child.wait() for child in children]
+    return next((code for code in codes if code != 0), 0)
+
+
+_REFERENCES: dict[tuple[str, int], list[Records]] = {}
+
+
+def check_script_resumes(
+    script: str, tmp: Path, ranks: int, kill: str, *, timeout: float, **sizes: int
+) -> None:
+    """:func:`check_resume` for a test module run as ``script launch OUT RANKS KILL``; the
+    uninterrupted reference runs once per script and number of ranks."""
+
+    def run(out: Path, ranks: int, kill: str) -> int:
+        command = [sys.executable, script, "launch", str(out), str(ranks), kill]
+        return run_job(command, kill, timeout)
+
+    if (script, ranks) not in _REFERENCES:
+        out = tmp / "reference"
+        out.mkdir()
+        run(out, ranks, "none")
+        _REFERENCES[script, ranks] = [records(out, rank) for rank in range(ranks)]
+    check_resume(run, _REFERENCES[script, ranks], tmp, ranks, kill, **sizes)
