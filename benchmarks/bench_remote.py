@@ -39,7 +39,7 @@ from typing import Any
 
 import common
 import numpy as np
-from remote_cache import Latency, latent_s3
+from remote_cache import Latency, latent_s3, upload
 
 from savable_loader import SavableDataLoader
 from savable_loader.datasets import JsonLinesSource, TableSource, TarSource, TokenSource
@@ -82,21 +82,6 @@ def write_data(root: Path) -> None:
         (root / "table" / "files" / f"{row:05d}.bin").write_bytes(rng.bytes(16_000))
         lines.append(json.dumps({"id": row, "file": f"files/{row:05d}.bin"}))
     (root / "table" / "rows.jsonl").write_text("\n".join(lines) + "\n")
-
-
-def upload(root: Path, endpoint: str) -> None:
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="k",
-        aws_secret_access_key="s",
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=BUCKET)
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        client.put_object(Bucket=BUCKET, Key=str(path.relative_to(root)), Body=path.read_bytes())
 
 
 def cost(units: int, item: Any) -> int:
@@ -158,7 +143,7 @@ def main() -> None:
         root = Path(tmp) / "data"
         root.mkdir()
         write_data(root)
-        upload(root, endpoint)
+        upload(root, endpoint, BUCKET)
         latency.seconds = args.latency
         options = {
             "key": "k",

@@ -84,6 +84,23 @@ def latent_s3(latency: Latency) -> Iterator[str]:
         thread.join()
 
 
+def upload(root: Path, endpoint: str, bucket: str) -> None:
+    """Creates ``bucket`` on ``endpoint`` and uploads every file under ``root``, keyed by
+    its path relative to ``root``."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="k",
+        aws_secret_access_key="s",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=bucket)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        client.put_object(Bucket=bucket, Key=str(path.relative_to(root)), Body=path.read_bytes())
+
+
 def _file(index: int, lines: int) -> bytes:
     rows = [json.dumps({"id": index * lines + i, "text": "x" * 200}) for i in range(lines)]
     return gzip.compress(("\n".join(rows) + "\n").encode())
@@ -113,25 +130,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    import boto3
 
     calibrate()
     units = units_for(args.item_us)
     with tempfile.TemporaryDirectory() as tmp, slow_s3(args.latency) as endpoint:
         root = Path(tmp)
         (root / "data").mkdir()
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id="k",
-            aws_secret_access_key="s",
-            region_name="us-east-1",
-        )
-        client.create_bucket(Bucket=BUCKET)
         for index in range(args.files):
             body = _file(index, args.lines)
             (root / "data" / f"part-{index:03d}.jsonl.gz").write_bytes(body)
-            client.put_object(Bucket=BUCKET, Key=f"data/part-{index:03d}.jsonl.gz", Body=body)
+        upload(root, endpoint, BUCKET)
         options = {
             "key": "k",
             "secret": "s",
