@@ -49,7 +49,7 @@ def test_ten_billion_items_cost_no_memory() -> None:
     assert tail.max() < 10**10
     assert len(set(tail.tolist())) == 1000
     assert peak < 1_000_000
-    assert time.perf_counter() - began < 5
+    assert time.perf_counter() - began < 30  # a pass over 10**10 items would take hours
 
 
 class _Huge:
