@@ -22,6 +22,10 @@ Use it on your own pipeline::
     from savable_loader.testing import assert_resumes_exactly, verify
     assert_resumes_exactly(lambda: SavableDataLoader(MyDataset(), batch_size=8, num_workers=2))
     verify(MyDataset, num_workers=2)
+
+:class:`FaultProxy` stands between a pipeline and an S3 endpoint on loopback and makes
+the store look distant or flaky (first-byte latency, ``503 SlowDown``, answers cut
+mid-body, denied keys), counting what it did in :class:`ProxyStats`.
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ from .cursors import CursorReport, assert_cursor_resumes_exactly
 from .digests import digest
 from .divergence import ResumeMismatch
 from .harness import Progress, ResumeReport, assert_resumes_exactly
+from .proxy import FaultProxy, ProxyStats
 from .restores import roundtrip
 from .verification import VerifyReport, verify
 
 __all__ = [
     "CursorReport",
+    "FaultProxy",
     "Progress",
+    "ProxyStats",
     "ResumeMismatch",
     "ResumeReport",
     "VerifyReport",
