@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 
 import numpy as np
@@ -112,14 +113,29 @@ def test_stateful_object(num_workers):
 @slow
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])  # fork: every other test
 def test_start_methods(method):
+    """Workers that start in a fresh interpreter (nothing inherited from the parent)."""
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # The server imports torch once and forks every worker from there; each worker still
+        # imports savable_loader and the pipeline afresh and gets its state by pickling.
+        # Workers start anew every epoch, from the end-of-epoch checkpoint.
+        context.set_forkserver_preload(["torch"])
+        options, points = {}, [4, 13]
+    else:
+        # Spawn imports torch in every worker (seconds each), so the workers persist and one
+        # mid-epoch save is restored (then chained) into spawned workers that go on into the
+        # next epoch. Workers started anew per epoch in a fresh interpreter: the forkserver
+        # case; with spawn, tests/test_conformance.py::test_spawned_workers_resume_exactly.
+        options, points = {"persistent_workers": True}, [4]
     assert_resumes_exactly(
         _build(
             lambda: RandomCounter(9, uneven=True),
             batch_size=2,
             num_workers=2,
-            multiprocessing_context=method,
+            multiprocessing_context=context,
+            **options,
         ),
-        points=[4, 13],
+        points=points,
         chain_items=(1,),
         boundaries=False,
     )
