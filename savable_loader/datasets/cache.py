@@ -97,15 +97,23 @@ def cacheable(url: str) -> bool:
 
 @dataclasses.dataclass
 class CacheStats:
-    """What this process's cache did (NOTE [ File cache ]).
+    """What this process's reads of remote files cost: with a cache, what the cache did
+    (NOTE [ File cache ]); without one, the direct reads (NOTE [ Direct reads ] in
+    ``counted_reads.py``).
 
     Attributes:
-        bytes_downloaded: Bytes downloaded into the cache, prefetched ones too.
-        hits: Opens served by a valid entry, downloaded by another open or a prefetch.
-        misses: Opens that had to download (or stream a file larger than the limit).
-        prefetched: Files downloaded ahead by the prefetch threads.
-        wait_seconds: Seconds the readers' opens waited on storage (or on a download
-            in progress), not counting the prefetch threads.
+        bytes_downloaded: Bytes downloaded into the cache, prefetched ones too; without
+            a cache, bytes read from the store (as stored: compressed).
+        hits: Opens served by a valid entry, downloaded by another open or a prefetch;
+            0 without a cache.
+        misses: Opens that had to download (or stream a file larger than the limit);
+            without a cache, every open of a remote file.
+        prefetched: Files downloaded ahead by the prefetch threads; 0 without a cache.
+        wait_seconds: Seconds the readers waited on storage: with a cache, in its opens
+            (or on a download in progress); without, in the opens, reads and seeks of
+            the remote files. Neither counts the threads that read ahead (the cache's
+            prefetch, ``TableSource``'s fetch threads); a ``TableSource``'s reader's
+            wait for its fetch threads counts instead.
     """
 
     bytes_downloaded: int = 0
@@ -186,9 +194,11 @@ class FileCache:
 
     # -- reading -------------------------------------------------------------------------
 
-    def open(self, url: str, fs: Any) -> IO[bytes]:
+    def open(self, url: str, fs: Any, *, ahead: bool = False) -> IO[bytes]:
         """``url`` opened from the cache, downloaded first unless a valid entry holds it;
-        decompressed by the URL's extension. Closing the file releases the entry.
+        decompressed by the URL's extension. Closing the file releases the entry. An
+        open made ``ahead`` of the reader (a ``TableSource`` fetch thread) is not counted
+        in ``wait_seconds``: the reader's wait for it is.
 
         Raises:
             Exception: What ``fs`` raised (the caller turns it into a StorageError and
@@ -206,7 +216,7 @@ class FileCache:
                 return fs.open(url, "rb", compression="infer")  # type: ignore[no-any-return]
             fd, downloaded = self._hold(url, fs, signature)
         finally:
-            waited = time.perf_counter() - started
+            waited = 0.0 if ahead else time.perf_counter() - started
             with self._mutex:
                 self.stats.wait_seconds += waited
         with self._mutex:

@@ -4,8 +4,8 @@ Every source that reads files (the file sources, ``TokenSource``, ``TableSource`
 :class:`FileAccess` in, so they share one meaning for ``retry``, ``storage_options``,
 ``cache_dir``, ``cache_limit`` and ``prefetch``, and one set of methods a user calls on
 any of them: ``cache_stats()`` and ``close_cache()``. What the cache does is NOTE
-[ File cache ] in ``cache.py``; how a read is retried is NOTE [ Retries ] in
-``retry.py``.
+[ File cache ] in ``cache.py``; what is counted without one, NOTE [ Direct reads ] in
+``counted_reads.py``; how a read is retried is NOTE [ Retries ] in ``retry.py``.
 
 NOTE [ fsspec after fork ]
 fsspec runs its async filesystems (s3fs, gcsfs, http) on one event loop, in a thread of
@@ -32,6 +32,7 @@ import fsspec.asyn
 
 from ..errors import ConfigError
 from .cache import DEFAULT_CACHE_LIMIT, CacheStats, FileCache, cacheable
+from .counted_reads import CountedReads, summed
 from .files import storage_errors
 from .retry import RetryPolicy, retrying
 from .stage import Stage
@@ -62,6 +63,7 @@ class FileAccess:
     prefetch: int
     _filesystems: dict[str, Any]
     _cache: tuple[int, FileCache] | None
+    _counted: dict[int, CountedReads]
 
     if TYPE_CHECKING:
 
@@ -104,22 +106,31 @@ class FileAccess:
         self.prefetch = prefetch
         self._filesystems = {}
         self._cache = None
+        self._counted = {}
 
-    def open(self, url: str) -> IO[bytes]:
+    def open(self, url: str, *, ahead: bool = False) -> IO[bytes]:
         """Opens ``url`` for reading, decompressed by its extension.
 
         One filesystem per protocol and process serves every file of this source, so
         that opening a file costs no new client (``skip_instance_cache`` included); a
         forked worker builds its own (fsspec's async filesystems are not fork-safe).
         With ``cache_dir``, a remote file is read from the node's cache, downloaded
-        first when needed (NOTE [ File cache ] in ``cache.py``).
+        first when needed (NOTE [ File cache ] in ``cache.py``); without, its open and
+        reads are counted (NOTE [ Direct reads ] in ``counted_reads.py``).
+
+        Args:
+            url: The file.
+            ahead: The open is made ahead of the reader (``TableSource``'s fetch
+                threads): its time is not the reader's wait and is not counted.
         """
         if "::" in url:
             return fsspec.open(url, "rb", compression="infer", **self.storage_options).open()  # type: ignore[no-any-return]
+        if not cacheable(url):
+            return self.filesystem(url).open(url, "rb", compression="infer")  # type: ignore[no-any-return]
         cache = self.file_cache()
-        if cache is not None and cacheable(url):
-            return cache.open(url, self.filesystem(url))
-        return self.filesystem(url).open(url, "rb", compression="infer")  # type: ignore[no-any-return]
+        if cache is not None:
+            return cache.open(url, self.filesystem(url), ahead=ahead)
+        return self.counted_reads().open(self.filesystem(url), url, ahead=ahead)
 
     def read_retrying(self, url: str, read: Callable[[], R]) -> R:
         """``read()``, a read of ``url``, with storage errors as ``StorageError`` and
@@ -147,11 +158,33 @@ class FileAccess:
             self._cache = (os.getpid(), FileCache(self.cache_dir, self.cache_limit, self.prefetch))
         return self._cache[1]
 
+    def counted_reads(self) -> CountedReads:
+        """This process's counters of the reads the cache does not count (NOTE
+        [ Direct reads ] in ``counted_reads.py``), built when first needed in every
+        process; threads that build it at once get the same one."""
+        counted = self._counted.get(os.getpid())
+        if counted is None:
+            counted = self._counted.setdefault(os.getpid(), CountedReads())  # atomic
+        return counted
+
     def cache_stats(self) -> CacheStats | None:
-        """What this process's cache did so far (None without ``cache_dir``)."""
-        if self._cache is None or self._cache[0] != os.getpid():
-            return None
-        return self._cache[1].stats
+        """What this process's reads of remote files cost so far, a snapshot.
+
+        With ``cache_dir``, the cache's figures (NOTE [ File cache ] in ``cache.py``);
+        without, those of the direct reads (NOTE [ Direct reads ] in
+        ``counted_reads.py``); a ``TableSource``'s reader's waits for its fetch threads
+        are added to either. None while this process has read no remote file (or since
+        :meth:`close_cache`).
+        """
+        pid = os.getpid()
+        cache = self._cache[1] if self._cache is not None and self._cache[0] == pid else None
+        counted = self._counted.get(pid)
+        return summed(
+            [
+                *([] if cache is None else [cache.stats]),
+                *([] if counted is None else [counted.stats]),
+            ]
+        )
 
     def prefetch_files(self, urls: list[str]) -> None:
         """Downloads ``urls``, the next files a stream reads, into the cache in the
@@ -161,30 +194,39 @@ class FileAccess:
             cache.want(urls, self.filesystem)
 
     def close_cache(self) -> None:
-        """Stops this process's prefetch threads and logs its cache counters; the cache
-        is rebuilt if the source reads again. Idempotent."""
+        """Stops this process's prefetch threads and logs its counters (``cache_stats()``)
+        at DEBUG; the cache and the counters start afresh if the source reads again.
+        Idempotent."""
+        stats = self.cache_stats()
         if self._cache is not None and self._cache[0] == os.getpid():
             cache, self._cache = self._cache[1], None
             cache.close()
-            logger.debug("%s: cache %s", self.describe(), cache.stats)
+        self._counted.pop(os.getpid(), None)
+        if stats is not None:
+            logger.debug("%s: storage %s", self.describe(), stats)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_filesystems"] = {}  # rebuilt where the source is read
         state["_cache"] = None  # threads and locks are per process
+        state["_counted"] = {}
         return state
 
 
 def storage_stats(root: Stage[Any]) -> dict[str, Any] | None:
-    """What the caches of the file sources under ``root`` did in this process, summed.
+    """What the reads of remote files by the file sources under ``root`` cost in this
+    process, summed.
 
-    Every stage of the tree that mixes in ``FileAccess`` counts once (NOTE [ File cache ]
-    in ``cache.py``): ``bytes_downloaded``, ``hits``, ``misses``, ``prefetched``
-    and ``wait_seconds`` (seconds the readers waited on storage, in the cache's opens).
-    None when no such stage has a ``cache_dir`` and has read here yet: without a cache
-    nothing is counted.
+    Every stage of the tree that mixes in ``FileAccess`` counts once, its
+    ``cache_stats()``: ``bytes_downloaded`` (downloaded into the cache; without one, read
+    from the store), ``hits`` (opens served by the cache; 0 without), ``misses`` (opens
+    that downloaded; without a cache, every open of a remote file), ``prefetched``
+    (files the cache's prefetch threads downloaded; 0 without) and ``wait_seconds``
+    (seconds the readers waited on storage: NOTE [ File cache ] in ``cache.py``, NOTE
+    [ Direct reads ] in ``counted_reads.py``). None when no such stage has read a remote
+    file here yet: local files are not counted.
     """
-    total: CacheStats | None = None
+    parts: list[CacheStats] = []
     seen: set[int] = set()
     stages = [root]
     while stages:
@@ -194,9 +236,7 @@ def storage_stats(root: Stage[Any]) -> dict[str, Any] | None:
         seen.add(id(stage))
         stages.extend(stage.children)
         stats = stage.cache_stats() if isinstance(stage, FileAccess) else None
-        if stats is None:
-            continue
-        total = total or CacheStats()
-        for name in (each.name for each in dataclasses.fields(CacheStats)):
-            setattr(total, name, getattr(total, name) + getattr(stats, name))
+        if stats is not None:
+            parts.append(stats)
+    total = summed(parts)
     return None if total is None else dataclasses.asdict(total)

@@ -24,6 +24,12 @@ file is read in the reading thread, retried and raised as without prefetching (a
 makes one attempt). Each file is read whole either way, so the same bytes arrive
 whatever the timing: prefetching changes when a row is ready, never what it holds. The
 fetch does not cross the end of an epoch.
+
+The reader's wait on storage (``wait_seconds`` of ``cache_stats()``) is counted once,
+where it waits: on a remote file's fetch result (NOTE [ Direct reads ] in
+``counted_reads.py``, with a cache too), or in the open and reads of a file it reads
+itself (``threads=0``, a dropped request). The fetch threads' opens count their bytes,
+hits and misses, not their time, which passes while the reader works.
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ import collections
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from ..config import WorkerContext
 from ..errors import ConfigError
+from .cache import cacheable
 from .file_access import FileAccess
 from .files import Urls, expand_urls, storage_errors
 from .indexed import Even, IndexedCursor, IndexedDataset
@@ -217,7 +225,7 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
 
     def _fetch_once(self, url: str) -> bytes:
         with storage_errors(url):
-            return _read_whole(self, url)
+            return _read_whole(self, url, ahead=True)
 
     def close_cache(self) -> None:
         """Stops this process's fetch threads (their pending fetches are cancelled), then
@@ -233,8 +241,8 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
         return state
 
 
-def _read_whole(access: FileAccess, url: str) -> bytes:
-    with access.open(url) as file:
+def _read_whole(access: FileAccess, url: str, *, ahead: bool = False) -> bytes:
+    with access.open(url, ahead=ahead) as file:
         return file.read()
 
 
@@ -314,10 +322,14 @@ class _TableCursor(IndexedCursor[dict[str, Any]]):
     def _bytes(self, url: str) -> bytes:
         future = self.ahead.pop(url, None)
         if future is not None:
+            remote, started = cacheable(url), time.perf_counter()
             try:
                 return future.result()
             except Exception as error:  # dropped: read again below, retried
                 logger.debug("fetching %s ahead failed: %r", url, error)
+            finally:  # the reader's wait (NOTE [ Fetching files ahead ])
+                if remote:
+                    self.source.counted_reads().add_wait(time.perf_counter() - started)
         return self.source.read_file(url)
 
     def _fetch_ahead(self, n: int) -> None:
