@@ -7,11 +7,17 @@ replay from an older checkpoint) and with the default adaptive policy. Besides t
 boundaries (before and right after ``iter()``, after StopIteration) and the first and last
 item of every epoch, three random save points fall mid-epoch: with every restore starting
 fresh workers for each epoch left, these are most of the check's cost.
+
+Every restore is also chained (restored, a few items read, saved, restored again). With
+three or more workers one chain of two items does for the harness's two (1 and 3 items):
+its save holds fresh checkpoints of the two workers that delivered since the restore and
+the restored checkpoint of the one that did not, and it comes after more than one item.
+With fewer workers the harness's chains of 1 and 3 items stay.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from savable_loader import SavableDataLoader, WorkerConfig
@@ -28,6 +34,7 @@ def check_stage(
     dense: bool = True,
     epochs: int = 2,
     num_points: int = 3,
+    chain_items: Sequence[int] | None = None,
     **loader_kwargs: Any,
 ) -> ResumeReport:
     """Asserts that a loader over ``build()`` resumes exactly; returns the report."""
@@ -41,6 +48,10 @@ def check_stage(
             **loader_kwargs,
         )
 
-    report = assert_resumes_exactly(loader, epochs=epochs, num_points=num_points, last_items=True)
+    if chain_items is None:
+        chain_items = (2,) if num_workers >= 3 else (1, 3)
+    report = assert_resumes_exactly(
+        loader, epochs=epochs, num_points=num_points, chain_items=chain_items, last_items=True
+    )
     assert sum(report.items_per_epoch) > 0, "the pipeline produced nothing"
     return report
