@@ -33,7 +33,9 @@ capture equals its generators as seeded for an epoch and still untouched (the sa
 comparison as NOTE [ Untouched generators ]) and rebuilds that seeding on demand. Such a
 stage keeps the epoch instead of the bytes (:func:`seeded_epoch_of`) and, on restore,
 asks the active runtime for those generators again (:func:`seeded_for`); outside a
-runtime, or once something drew, it keeps the bytes as before.
+runtime, or once something drew, it keeps the bytes as before. The active runtime is held
+weakly: asyncio copies the context into callbacks, so s3fs reads left it in fsspec's loop
+thread, whose freeing its torch tensors as the interpreter exited aborted the process.
 
 NOTE [ Own generators ]
 Some pipelines read under generator states of their own rather than the process's: the
@@ -58,6 +60,7 @@ import ctypes
 import dataclasses
 import random
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -237,7 +240,7 @@ class Seedings(Protocol):
         """The generators as seeded for ``epoch``; the process's are left as they are."""
 
 
-_ACTIVE: contextvars.ContextVar[Seedings | None] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[weakref.ref[Seedings] | None] = contextvars.ContextVar(
     "savable_loader_seedings", default=None
 )
 
@@ -251,10 +254,10 @@ class Scope:
     def __init__(self, seedings: Seedings, generators: OwnGenerators | None) -> None:
         self._seedings = seedings
         self._generators = generators
-        self._token: contextvars.Token[Seedings | None] | None = None
+        self._token: contextvars.Token[weakref.ref[Seedings] | None] | None = None
 
     def __enter__(self) -> Scope:
-        self._token = _ACTIVE.set(self._seedings)
+        self._token = _ACTIVE.set(weakref.ref(self._seedings))
         if self._generators is not None:
             self._generators.__enter__()
         return self
@@ -269,13 +272,15 @@ class Scope:
 def seeded_epoch_of(snapshot: RngSnapshot) -> int | None:
     """The epoch whose untouched seeding by the active runtime ``snapshot`` equals; None
     outside a runtime or when it differs (NOTE [ Seeded windows ])."""
-    seedings = _ACTIVE.get()
+    active = _ACTIVE.get()
+    seedings = None if active is None else active()
     return None if seedings is None else seedings.epoch_of(snapshot)
 
 
 def seeded_for(epoch: int) -> RngSnapshot | None:
     """The active runtime's generators as seeded for ``epoch``; None outside a runtime."""
-    seedings = _ACTIVE.get()
+    active = _ACTIVE.get()
+    seedings = None if active is None else active()
     return None if seedings is None else seedings.seeded_for(epoch)
 
 
