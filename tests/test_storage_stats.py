@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import numpy as np
 import pytest
 from s3_server import REGION, S3, S3FS_WARNINGS
 from stage_harness import check_stage
 from test_tar_source import _shard
 
 from savable_loader import SavableDataLoader, WorkerContext
-from savable_loader.datasets import TableSource
+from savable_loader.datasets import TableSource, TokenSource
 from savable_loader.datasets.cache import CacheStats
 from savable_loader.datasets.file_access import storage_stats
 from savable_loader.datasets.jsonl import JsonLinesSource
@@ -37,6 +38,7 @@ pytestmark = [S3FS_WARNINGS, pytest.mark.timeout(120)]
 ONE = WorkerContext(0, 1, 0, 0, 0, None)
 LATENCY = 0.05
 ROWS = 16
+SEQ = 4
 
 
 def _lines(part: int, count: int) -> bytes:
@@ -102,6 +104,19 @@ def test_direct_reads_count_the_stored_bytes_and_every_open(
     assert stats.wait_seconds > 0
     assert local.cache_stats() is None  # local files are not counted
     assert storage_stats(remote) == {**vars(stats)}
+
+
+def test_direct_token_windows_count_each_range_request(s3: S3) -> None:
+    tokens = np.arange(10 * SEQ, dtype=np.uint16)
+    url = s3.put("tokens/part-0.bin", tokens.tobytes())
+    source = TokenSource(url, seq_len=SEQ, shuffle=True, seed=1, storage_options=s3.options())
+    windows = _stream(source)
+    assert sorted(int(window[0]) for window in windows) == list(range(0, 10 * SEQ, SEQ))
+    stats = source.cache_stats()
+    assert stats is not None
+    # One range request per window, of its bytes: a shuffled stream reads no file whole.
+    assert (stats.misses, stats.bytes_downloaded) == (10, 10 * SEQ * tokens.itemsize)
+    assert stats.wait_seconds > 0
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ counts, in the same :class:`CacheStats` fields the cache fills:
   reader's wait for it is counted once, by the reader (NOTE [ Fetching files ahead ] in
   ``table.py``), through :meth:`CountedReads.add_wait`.
 
+``TokenSource`` without a cache reads a window with one range request (``cat_file``),
+not through an open: it adds each request as a miss, with its bytes and its time.
 ``hits`` and ``prefetched`` stay 0. Local files are opened as they are and counted
 nowhere. The counters are this process's, as the cache's are: ``FileAccess`` keeps one
 :class:`CountedReads` per process id, so a forked worker starts its own.

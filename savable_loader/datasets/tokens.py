@@ -47,6 +47,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
@@ -277,9 +278,16 @@ class _Windows:
             offset = self.layout[file][0] + start * self.dtype.itemsize
             end = offset + self.seq_len * self.dtype.itemsize
             fs, path = self.source.locate(handle)
+            started = time.perf_counter()
             data = self.source.read_retrying(
                 handle, lambda: fs.cat_file(path, start=offset, end=end)
             )
+            if cacheable(handle):  # a range request to the store (NOTE [ Direct reads ])
+                self.source.counted_reads().add(
+                    bytes_downloaded=len(data),
+                    misses=1,
+                    wait_seconds=time.perf_counter() - started,
+                )
             window = np.frombuffer(data, dtype=self.dtype)
         return window.astype(np.int64)
 
