@@ -1,9 +1,10 @@
 """Remote against local: every file-reading source from S3 behind 30 ms, and from disk.
 
-A loopback S3 server (moto, in this process; ``slow_s3`` in ``remote_cache.py``) answers
-every request after a fixed first-byte latency, as an object store far from the node
-would. The same data is written to local disk and uploaded (before the latency is
-switched on). Each source is read by a ``SavableDataLoader`` with 2 workers, batch 8,
+A loopback S3 server (moto's threaded server, in this process, behind the loopback proxy
+``savable_loader.testing.FaultProxy``: ``latent_s3`` in ``remote_cache.py``) answers every
+request after a fixed first-byte latency, as an object store far from the node would.
+The same data is written to local disk and uploaded (before the latency is switched
+on). Each source is read by a ``SavableDataLoader`` with 2 workers, batch 8,
 and a fixed CPU cost per item (200 us, NOTE [ Item cost ] in ``common.py``), for one
 epoch, alternately from disk and from S3 in an order rotated every round (NOTE
 [ Alternation ] in ``common.py``):

@@ -1,8 +1,8 @@
 """The local file cache: reading JSON lines from S3 with and without it, and from disk.
 
-A loopback S3 server (moto's app under werkzeug, in this process) answers every request
-after an injected first-byte latency (30 ms by default), as an object store far from the
-node would. The same gzip JSON-lines files are written to local disk and uploaded. One
+A loopback S3 server (moto's threaded server, in this process, behind the loopback proxy
+``savable_loader.testing.FaultProxy``) answers every request after an injected first-byte
+latency (30 ms by default), as an object store far from the node would. The same gzip JSON-lines files are written to local disk and uploaded. One
 stream (``num_workers=0``, as one worker reads) reads every line and spends a fixed CPU
 cost on each (NOTE [ Item cost ] in ``common.py``). Configurations, measured once per
 round in an order rotated every round (NOTE [ Alternation ] in ``common.py``):
@@ -30,13 +30,11 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -44,6 +42,7 @@ from common import burn, calibrate, units_for
 
 from savable_loader import WorkerContext
 from savable_loader.datasets import JsonLinesSource
+from savable_loader.testing import FaultProxy
 
 BUCKET = "bench-cache"
 
@@ -62,26 +61,41 @@ def slow_s3(latency: float) -> Iterator[str]:
         yield url
 
 
+class _LatentProxy(FaultProxy):
+    """A :class:`FaultProxy` whose first-byte latency is ``latency.seconds``, read at every
+    request."""
+
+    def __init__(self, upstream: str, latency: Latency) -> None:
+        self._latency = latency
+        super().__init__(upstream, latency=latency.seconds)
+
+    @property
+    def latency(self) -> float:
+        return self._latency.seconds
+
+    @latency.setter
+    def latency(self, seconds: float) -> None:
+        self._latency.seconds = seconds
+
+
 @contextmanager
 def latent_s3(latency: Latency) -> Iterator[str]:
-    """A loopback S3 endpoint whose every answer starts ``latency.seconds`` late."""
-    from moto.server import DomainDispatcherApplication, create_backend_app
-    from werkzeug.serving import make_server
+    """A loopback S3 endpoint whose every answer starts ``latency.seconds`` late: moto's
+    threaded server behind a :class:`FaultProxy` (no faults, only the latency)."""
+    from moto.server import ThreadedMotoServer
 
-    app = DomainDispatcherApplication(create_backend_app)
-
-    def delayed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        time.sleep(latency.seconds)
-        return app(environ, start_response)
-
-    server = make_server("127.0.0.1", 0, delayed, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    werkzeug = logging.getLogger("werkzeug")
+    level = werkzeug.level
+    werkzeug.setLevel(logging.ERROR)  # no access log line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
     try:
-        yield f"http://127.0.0.1:{server.server_port}"
+        host, port = server.get_host_and_port()
+        with _LatentProxy(f"http://{host}:{port}", latency) as proxy:
+            yield proxy.url
     finally:
-        server.shutdown()
-        thread.join()
+        server.stop()
+        werkzeug.setLevel(level)
 
 
 def upload(root: Path, endpoint: str, bucket: str) -> None:
