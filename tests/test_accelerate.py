@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_jobs import check_script_resumes, launch_ranks
+from trainer_jobs import check_script_resumes
 
 pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
 
@@ -143,11 +143,4 @@ def test_two_ranks_resume_exactly_after_a_checkpoint(
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "launch":
-        ranks = int(sys.argv[3])
-        if ranks == 1:
-            _job(sys.argv[2], sys.argv[4])
-        else:
-            sys.exit(launch_ranks(__file__, sys.argv[2], ranks, sys.argv[4]))
-    else:
-        _job(sys.argv[2], sys.argv[3])
+    _job(sys.argv[2], sys.argv[3])

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_jobs import check_script_resumes, launch_ranks
+from trainer_jobs import check_script_resumes
 
 pytest.importorskip("transformers", reason="the transformers extra is not installed")
 pytest.importorskip("accelerate", reason="the transformers extra is not installed")
@@ -162,11 +162,4 @@ def test_a_mid_epoch_resume_with_uneven_accumulation_is_refused() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "launch":
-        ranks = int(sys.argv[3])
-        if ranks == 1:
-            _job(sys.argv[2], sys.argv[4])
-        else:
-            sys.exit(launch_ranks(__file__, sys.argv[2], ranks, sys.argv[4]))
-    else:
-        _job(sys.argv[2], sys.argv[3])
+    _job(sys.argv[2], sys.argv[3])

@@ -1,6 +1,12 @@
 """Training jobs run as subprocesses for the trainer integration tests (Lightning,
 Accelerate, the Hugging Face Trainer): the runner that can SIGKILL a job's process group,
-the records each rank writes, and the shared check of a killed-and-resumed run."""
+the records each rank writes, and the shared check of a killed-and-resumed run.
+
+Run as a script, ``python trainer_jobs.py SCRIPT OUT RANKS KILL`` starts ``SCRIPT job OUT
+KILL`` once per rank (:func:`launch_ranks`): a launcher that imports nothing but the
+standard library, so the ranks start at once instead of after a second import of the
+trainer's library.
+"""
 
 from __future__ import annotations
 
@@ -142,11 +148,15 @@ _REFERENCES: dict[tuple[str, int], list[Records]] = {}
 def check_script_resumes(
     script: str, tmp: Path, ranks: int, kill: str, *, timeout: float, **sizes: int
 ) -> None:
-    """:func:`check_resume` for a test module run as ``script launch OUT RANKS KILL``; the
-    uninterrupted reference runs once per script and number of ranks."""
+    """:func:`check_resume` for a test module run as ``script job OUT KILL`` on each rank
+    (one rank: directly; more: through this module's launcher); the uninterrupted
+    reference runs once per script and number of ranks."""
 
     def run(out: Path, ranks: int, kill: str) -> int:
-        command = [sys.executable, script, "launch", str(out), str(ranks), kill]
+        if ranks == 1:
+            command = [sys.executable, script, "job", str(out), kill]
+        else:
+            command = [sys.executable, __file__, script, str(out), str(ranks), kill]
         return run_job(command, kill, timeout)
 
     if (script, ranks) not in _REFERENCES:
@@ -155,3 +165,7 @@ def check_script_resumes(
         run(out, ranks, "none")
         _REFERENCES[script, ranks] = [records(out, rank) for rank in range(ranks)]
     check_resume(run, _REFERENCES[script, ranks], tmp, ranks, kill, **sizes)
+
+
+if __name__ == "__main__":
+    sys.exit(launch_ranks(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))
