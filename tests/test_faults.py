@@ -93,20 +93,29 @@ TALLY: collections.Counter[str] = collections.Counter()
 
 
 class HangAt(RandomCounter):
-    """Worker 0 sleeps ``seconds`` before yielding item ``index`` (a hang, in a sleep).
+    """Worker 0 sleeps ``seconds`` before yielding item ``index`` (a hang, in a sleep), in
+    every epoch or, with ``epoch``, in that one only.
 
     Its ``config()`` is RandomCounter's, so its states restore into a RandomCounter.
     """
 
-    def __init__(self, n: int, *, index: int, seconds: float = 60.0) -> None:
+    def __init__(
+        self, n: int, *, index: int, seconds: float = 60.0, epoch: int | None = None
+    ) -> None:
         super().__init__(n, cost=COST)
         self.index = index
         self.seconds = seconds
+        self.hang_epoch = epoch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         for item in super().__iter__():
-            if info is not None and info.id == 0 and item["index"] == self.index:
+            if (
+                info is not None
+                and info.id == 0
+                and item["index"] == self.index
+                and self.hang_epoch in (None, item["epoch"])
+            ):
                 time.sleep(self.seconds)
             yield item
 
@@ -252,10 +261,11 @@ def test_hang_while_iterating() -> None:
 
 
 def test_slow_items_do_not_fail_without_an_item_timeout() -> None:
-    """item_timeout=None waits for a slow item as torch does."""
+    """item_timeout=None waits for a slow item as torch does (one, in the first epoch)."""
     reference = _reference()
     config = WorkerConfig(command_timeout=COMMAND_TIMEOUT, item_timeout=None)
-    with _loader(HangAt(N, index=2, seconds=2 * COMMAND_TIMEOUT), worker_config=config) as loader:
+    slow = HangAt(N, index=2, seconds=2 * COMMAND_TIMEOUT, epoch=0)
+    with _loader(slow, worker_config=config) as loader:
         got = list(_stream(loader, EPOCHS))
     _account(got, [], reference)
 
