@@ -15,8 +15,8 @@ phase              SIGKILL                         hang in a sleep
 =================  ==============================  ==============================
 while iterating    ``test_kill_while_iterating``   ``test_hang_while_iterating``
                    (also test_workers.py::test_    (WorkerConfig.item_timeout;
-                   dead_worker_while_iterating_    NOTE [ Watchdog ] in loader.py)
-                   raises_worker_error_and_last_
+                   dead_worker_while_iterating_    NOTE [ Watchdog ] in
+                   raises_worker_error_and_last_   _stream.py)
                    state_resumes, test_dataset_
                    errors.py::test_a_dead_worker_
                    leaves_the_loader_broken_until_
