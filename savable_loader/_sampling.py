@@ -10,7 +10,7 @@ where only the first one is built. The :class:`EpochPlanner` makes the same draw
 the start of each epoch, in the same order, and reads the whole sampler at once: the
 generators end the epoch where torch leaves them, and the epoch's index groups become
 the order of the pipeline's source (NOTE [ Samplers are sources ] in
-``datasets/sampled.py``).
+``datasets/sampled.py``), read into int64 arrays without a Python list of the epoch.
 
 A sampler without a generator of its own draws from the process's global generators.
 The first draw of a loader is made on them, as torch makes it; every later draw continues
@@ -154,10 +154,11 @@ class EpochPlanner:
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
             )
         if self.index_sampler is not None:
-            groups = list(self.index_sampler)
-            self.order.epoch = epoch
-            fresh = EpochOrder.of(epoch, groups, batched=self.batched)
+            # The previous epoch's order goes first, so two epochs never coexist.
+            self.order.clear()
+            fresh = EpochOrder.of(epoch, self.index_sampler, batched=self.batched)
             self.order.indices, self.order.offsets = fresh.indices, fresh.offsets
+            self.order.epoch = epoch
         return base_seed
 
     def restore(self, state: OrderState | None, *, epoch: int, between_epochs: bool) -> None:

@@ -11,6 +11,15 @@ reaches the workers in an :class:`EpochOrder` that travels with the pipeline whe
 workers start (the loader starts its workers for each epoch on this path); a cursor
 reads only the epoch its order holds.
 
+The sampler is read once, straight into int64 buffers: 8 bytes an index, and with
+automatic batching 8 more a group for its length, then for its offset. No Python list of
+the epoch is built, so the main process adds about 8 bytes an index to what the sampler
+holds itself while it is read (torch's ``RandomSampler`` holds ``randperm(N).tolist()``,
+which torch's ``DataLoader`` pays too). Forked workers share those arrays' pages; with
+spawn or forkserver each worker receives a copy of the whole epoch, since torch sends
+the same pipeline to every worker and a worker's share is only known in the worker
+(giving each only its groups would change what torch sends, not a public seam).
+
 The cursor's state is the epoch and the number of this worker's groups already read:
 restoring it moves by arithmetic. Skipping fetches the skipped groups' items (without
 collating them) so that draws a dataset makes from the global generators stay exact;
@@ -20,6 +29,8 @@ a restore skips only what the worker produced after its last checkpoint (NOTE
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,15 +62,26 @@ class EpochOrder:
     offsets: np.ndarray | None = None
 
     @classmethod
-    def of(cls, epoch: int, groups: list[Any], *, batched: bool) -> EpochOrder:
-        """Builds the order of ``epoch`` from what the sampler yielded."""
+    def of(cls, epoch: int, groups: Iterable[Any], *, batched: bool) -> EpochOrder:
+        """Builds the order of ``epoch`` by reading the sampler ``groups`` once, into int64
+        buffers (NOTE [ Samplers are sources ])."""
         if not batched:
-            return cls(epoch, np.asarray([int(i) for i in groups], dtype=np.int64), None)
-        lengths = np.fromiter((len(group) for group in groups), dtype=np.int64, count=len(groups))
-        offsets = np.zeros(len(groups) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = [int(index) for group in groups for index in group]
-        return cls(epoch, np.asarray(flat, dtype=np.int64), offsets)
+            return cls(epoch, np.fromiter(map(int, groups), dtype=np.int64), None)
+        flat: array[int] = array("q")
+        lengths: array[int] = array("q")
+        for group in groups:
+            start = len(flat)
+            flat.extend(map(int, group))
+            lengths.append(len(flat) - start)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
+        return cls(epoch, np.frombuffer(flat, dtype=np.int64), offsets)
+
+    def clear(self) -> None:
+        """Forgets the epoch's groups (before the next epoch is read)."""
+        self.epoch = -1
+        self.indices = np.zeros(0, dtype=np.int64)
+        self.offsets = None
 
     def __len__(self) -> int:
         """Groups in the epoch."""
