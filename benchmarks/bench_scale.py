@@ -11,11 +11,14 @@ and global save / restore time as the job grows (issue 16).
    rank, in both forms: ``save_state_global`` (gathered on rank 0, one file) and
    ``save_checkpoint`` (a file per rank, metadata last); a line fitted to the times and
    its value at 1,024 ranks, **an extrapolation, not a measurement**.
+4. A torch sampler's epoch (``RandomSampler``, ``DistributedSampler``) at N = 10**6 and
+   10**7: the main process's peak RSS above its baseline up to the first batch, ours and
+   torch's ``DataLoader`` over the same sampler, each in a fresh process.
 
-Writes ``benchmarks/results/bench_scale.json`` and ``.md`` (not with ``--quick`` or
-``--no-ranks``, which print only).
+Writes ``benchmarks/results/bench_scale.json`` and ``.md`` (not with ``--quick``,
+``--no-ranks`` or ``--samplers`` (part 4 alone), which print only).
 
-    python benchmarks/bench_scale.py [--quick] [--no-ranks]
+    python benchmarks/bench_scale.py [--quick] [--no-ranks] [--samplers]
 """
 
 from __future__ import annotations
@@ -211,9 +214,21 @@ def _job(rank: int, world_size: int, tmp: Path) -> dict[str, float]:
     return times
 
 
-def part_ranks(ranks: list[int]) -> Rows:
+def extra_worker_bytes(state_bytes: Rows) -> float:
+    """What one more worker adds to a rank's state file, from part 2 (2 and 8 workers)."""
+    size = {row["workers"]: row["whole file B"] for row in state_bytes}
+    return (size[8] - size[2]) / 6
+
+
+def part_ranks(ranks: list[int], per_worker: float) -> Rows:
     """Part 3: global save and restore on gloo ranks, times on rank 0, a fitted line and
-    its value at 1,024 ranks (an extrapolation)."""
+    its value at 1,024 ranks (an extrapolation).
+
+    The bytes are measured with 2 workers a rank; at 8 workers a rank's own state file
+    holds 6 more workers (``per_worker`` bytes each, from part 2). Gathered, rank 0 reads
+    every rank's state, so the fitted line at 1,024 ranks gains 1,024 x 6 workers;
+    in the directory form it reads its own file (6 more workers) and the metadata,
+    whose line per rank does not depend on the workers."""
     from gloo import in_rank_order, run_ranks
 
     measured: dict[str, list[float]] = {}
@@ -232,8 +247,9 @@ def part_ranks(ranks: list[int]) -> Rows:
         if "bytes" in name:
             row.update({f"{r} ranks": f"{v:,.0f} B" for r, v in zip(ranks, values, strict=True)})
             row["fitted per rank"] = f"{slope:,.0f} B"
-            # 8 workers instead of 2: a rank's own state is 4 times larger.
-            row["at 1,024 ranks x 8 workers (extrapolation)"] = f"~{at * 4 / 2**20:.1f} MB"
+            ranks_with_more = 1024 if name.startswith("gather") else 1
+            at += ranks_with_more * 6 * per_worker
+            row["at 1,024 ranks x 8 workers (extrapolation)"] = f"~{at / 2**20:.2f} MB"
         else:
             row.update(
                 {f"{r} ranks": f"{v * 1000:.0f} ms" for r, v in zip(ranks, values, strict=True)}
@@ -242,6 +258,95 @@ def part_ranks(ranks: list[int]) -> Rows:
             row["at 1,024 ranks x 8 workers (extrapolation)"] = f"~{max(at, 0):.1f} s"
         rows.append(row)
     return rows
+
+
+def _peak_rss_status() -> dict[str, int]:
+    """This process's resident set now and at its peak (bytes)."""
+    found = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                found[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return found
+
+
+def _sampler_child(kind: str, n: int, which: str) -> None:
+    """In a fresh process: the main process's peak RSS above its baseline and the time to
+    the first batch of one loader reading one sampler (printed as JSON)."""
+    import json
+
+    from torch.utils.data import DistributedSampler, RandomSampler
+
+    torch.set_num_threads(1)
+    data = Range(n)
+    if kind == "DistributedSampler":
+        sampler: Any = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
+    else:
+        sampler = RandomSampler(data, generator=torch.Generator().manual_seed(0))
+    batch = None if kind == "RandomSampler, batch_size=None" else BATCH
+    kind_of = SavableDataLoader if which == "ours" else DataLoader
+    gc.collect()
+    baseline = _peak_rss_status()["VmRSS"]
+    with open("/proc/self/clear_refs", "w") as refs:  # VmHWM := VmRSS
+        refs.write("5")
+    began = time.perf_counter()
+    loader = kind_of(data, sampler=sampler, batch_size=batch, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    elapsed = time.perf_counter() - began
+    peak = _peak_rss_status()["VmHWM"] - baseline
+    if hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+    print(json.dumps({"peak": peak, "seconds": elapsed}))
+
+
+def part_samplers(sizes: list[int]) -> Rows:
+    """Part 4: the main process's peak memory drawing a torch sampler's epoch, ours and
+    torch's ``DataLoader`` over the same sampler, each loader in a fresh process."""
+    import json
+    import subprocess
+
+    rows: Rows = []
+    kinds = ["RandomSampler", "RandomSampler, batch_size=None", "DistributedSampler"]
+    for kind in kinds:
+        for n in sizes:
+            measured = {}
+            for which in ("ours", "torch"):
+                command = [sys.executable, __file__, "--sampler-child", kind, str(n), which]
+                done = subprocess.run(
+                    command, capture_output=True, text=True, check=True, timeout=600
+                )
+                measured[which] = json.loads(done.stdout.strip().splitlines()[-1])
+            ours, theirs = measured["ours"]["peak"], measured["torch"]["peak"]
+            rows.append(
+                {
+                    "sampler": kind,
+                    "N": f"10^{len(str(n)) - 1}",
+                    "ours: main peak above baseline": f"{ours / 2**20:.0f} MB",
+                    "torch: main peak above baseline": f"{theirs / 2**20:.0f} MB",
+                    "ours / torch": f"{ours / theirs:.2f}",
+                    "ours: B per index": f"{ours / n:.1f}",
+                    "torch: B per index": f"{theirs / n:.1f}",
+                    "ours: first batch s": f"{measured['ours']['seconds']:.2f}",
+                    "torch: first batch s": f"{measured['torch']['seconds']:.2f}",
+                }
+            )
+    return rows
+
+
+SAMPLER_TITLE = "A torch sampler's epoch in the main process"
+SAMPLER_NOTES = [
+    "Each loader runs in a fresh process: its main process's peak RSS (VmHWM, reset to "
+    "the resident set just before the loader is built) less that resident set, up to "
+    "its first batch, 2 workers (fork), batch 32 unless said. RandomSampler has its own "
+    "generator; DistributedSampler has 2 replicas (rank 0 reads half of N).",
+    "torch's RandomSampler holds randperm(N).tolist() while the epoch is read (a Python "
+    "int and a list slot per index, about 36 B) and DistributedSampler a list of its "
+    "share besides; both loaders pay it. 'B per index' divides by N.",
+]
 
 
 def _section(title: str, rows: Rows, notes: list[str]) -> str:
@@ -258,8 +363,22 @@ def main() -> None:
     parser.add_argument(
         "--no-ranks", action="store_true", help="skip part 3 (gloo ranks); writes nothing"
     )
+    parser.add_argument(
+        "--samplers",
+        action="store_true",
+        help="only part 4 (a torch sampler's epoch in the main process); writes nothing",
+    )
+    parser.add_argument("--sampler-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.sampler_child:
+        kind, n, which = args.sampler_child
+        _sampler_child(kind, int(n), which)
+        return
     torch.set_num_threads(1)
+    sampler_sizes = [10**6, 10**7]
+    if args.samplers:
+        print("\n" + _section(SAMPLER_TITLE, part_samplers(sampler_sizes), SAMPLER_NOTES))
+        return
     sizes = [10**6, 10**8, 10**10] if args.quick else [10**6, 10**7, 10**8, 10**9, 10**10]
     ranks = [2, 4] if args.quick else [2, 4, 8, 16]
     sized = part_sizes(sizes, torch_up_to=10**7 if args.quick else 10**8)
@@ -267,29 +386,41 @@ def main() -> None:
     print(
         "\n" + _section("State bytes (shuffled map-style dataset of 10^9 items)", state_bytes, [])
     )
-    ranked = [] if args.no_ranks else part_ranks(ranks)
+    ranked = [] if args.no_ranks else part_ranks(ranks, extra_worker_bytes(state_bytes))
     rank_notes = [
         "Each rank has 2 workers; all ranks share this machine's 2 cores (3 processes a "
         "rank), so the times grow with the oversubscription as much as with the algorithm; "
         "the bytes do not.",
         "The last column extends the fitted line to 1,024 ranks: an extrapolation, not a "
-        "measurement.",
+        "measurement. Bytes at 8 workers a rank add 6 workers' bytes (from the state-bytes "
+        "table: the 8-worker file less the 2-worker one, over 6) to each rank's state "
+        "gathered on rank 0, and to rank 0's own file in the directory form (its metadata "
+        "grows with the ranks only); times are the fitted line as measured, with 2 "
+        "workers a rank.",
     ]
     if ranked:
         print("\n" + _section("Global save and restore on gloo ranks", ranked, rank_notes))
+    samplers = part_samplers(sampler_sizes)
+    print("\n" + _section(SAMPLER_TITLE, samplers, SAMPLER_NOTES))
     written = common.write_results(
         "bench_scale",
         title="Scale: memory and first batch by dataset size, state bytes, global saves by ranks",
-        parameters={"batch_size": BATCH, "workers": 2, "sizes": sizes, "ranks": ranks},
+        parameters={
+            "batch_size": BATCH,
+            "workers": 2,
+            "sizes": sizes,
+            "ranks": ranks,
+            "sampler_sizes": sampler_sizes,
+        },
         columns=list(sized[0]),
         rows=sized,
         notes=[
             "Shuffled map-style dataset (an index is its item), 2 workers, batch 32; the "
             "time runs from building the loader to its first batch; peak RSS is each "
             "worker's VmHWM. torch's DataLoader(shuffle=True) is measured up to 10^8.",
-            "The other two parts are below, and in the JSON file under samples.",
+            "The other three parts are below, and in the JSON file under samples.",
         ],
-        samples={"state_bytes": state_bytes, "ranks": ranked},
+        samples={"state_bytes": state_bytes, "ranks": ranked, "samplers": samplers},
         write=not (args.quick or args.no_ranks),
     )
     if written is not None:
@@ -297,6 +428,7 @@ def main() -> None:
         extra = [
             _section("State bytes (shuffled map-style dataset of 10^9 items)", state_bytes, []),
             _section("Global save and restore on gloo ranks", ranked, rank_notes),
+            _section(SAMPLER_TITLE, samplers, SAMPLER_NOTES),
         ]
         md.write_text(md.read_text() + "\n" + "\n".join(extra))
 
