@@ -32,12 +32,21 @@ on, and :meth:`Stream.stop` kills those (SIGKILL ends even a stopped process) be
 stops the rest: ``close()``, a restore and an error stop the stream promptly and leave no
 process behind. A save that a worker did not answer stops the stream at once, as a hang
 found by the watchdog does (NOTE [ Errors stop the stream ] in ``_iterator.py``).
+
+NOTE [ Workers stop with the loader ]
+Torch's workers stop when the last reference to their loader (and its iterator) goes:
+the iterator's ``__del__`` shuts them down at once. The loader owns its stream, and the
+stream holds the loader only weakly (a proxy), so no reference cycle keeps a dropped
+loader, its torch iterator and its workers alive until the next garbage collection: a
+loader built inside a function and left mid-epoch stops its workers when the function
+returns, as torch's does. ``close()`` stops them explicitly, whatever refers to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -94,7 +103,8 @@ class Stream:
     """
 
     def __init__(self, loader: DataLoader[Any], wrapper: WorkerWrapper, config: WorkerConfig):
-        self.loader = loader
+        # Weakly: NOTE [ Workers stop with the loader ].
+        self.loader = weakref.proxy(loader)
         self.wrapper = wrapper
         self.config = config
         self.num_workers = loader.num_workers

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from pipelines import RandomCounter
 from processes import kill
 
@@ -257,3 +258,31 @@ def test_save_state_leaves_only_the_state_file(tmp_path: Path) -> None:
     assert baseline is not None
     # Descriptors: saving 15 times opened none for good.
     assert len(os.listdir("/proc/self/fd")) <= baseline["fds"]
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_a_loader_dropped_mid_epoch_stops_its_workers_without_a_garbage_collection(
+    persistent_workers: bool,
+) -> None:
+    """As torch's: the workers of a loader left mid-epoch inside a function stop when the
+    function returns, not at the next garbage collection (NOTE [ Workers stop with the
+    loader ] in ``_stream.py``)."""
+
+    def leave(cls: type[torch.utils.data.DataLoader[Any]]) -> None:
+        loader = cls(
+            list(range(40)), batch_size=2, num_workers=2, persistent_workers=persistent_workers
+        )
+        for _ in loader:
+            break
+
+    before = _children()
+    gc.disable()
+    try:
+        for cls in (torch.utils.data.DataLoader, SavableDataLoader):
+            leave(cls)
+            deadline = time.monotonic() + GRACE_SECONDS
+            while _children() - before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _children() - before == set(), f"{cls.__name__} left its workers running"
+    finally:
+        gc.enable()
