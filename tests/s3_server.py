@@ -20,10 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import boto3
 import pytest
-import s3fs
-from moto.server import ThreadedMotoServer
 
 __all__ = [
     "BUCKET",
@@ -85,6 +82,8 @@ def moto_server() -> Iterator[str]:
     werkzeug_logger = logging.getLogger("werkzeug")
     level = werkzeug_logger.level
     werkzeug_logger.setLevel(logging.ERROR)  # no access log line per request
+    from moto.server import ThreadedMotoServer  # NOTE [ Heavy imports last ] in conftest.py
+
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
@@ -94,7 +93,7 @@ def moto_server() -> Iterator[str]:
         yield url
     finally:
         server.stop()
-        s3fs.S3FileSystem.clear_instance_cache()
+        _clear_s3fs_instances()
         werkzeug_logger.setLevel(level)
     deadline = time.monotonic() + 5.0
     while _server_threads() and time.monotonic() < deadline:
@@ -102,8 +101,18 @@ def moto_server() -> Iterator[str]:
     assert _server_threads() == [], "moto server threads still running after stop()"
 
 
+def _clear_s3fs_instances() -> None:
+    """s3fs caches filesystems by their arguments; an instance made under another test's
+    environment must not serve the next one."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 def client(endpoint_url: str) -> Any:
     """A boto3 S3 client for the server."""
+    import boto3
+
     return boto3.client(
         "s3",
         endpoint_url=endpoint_url,
@@ -167,10 +176,8 @@ def s3_access(endpoint_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3
     monkeypatch.setenv(
         "AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/savable-loader-tests/credentials"
     )
-    # s3fs caches filesystems by their arguments; an instance made under another
-    # test's environment must not serve this one.
-    s3fs.S3FileSystem.clear_instance_cache()
+    _clear_s3fs_instances()
     try:
         yield S3(endpoint_url, f"test-{uuid.uuid4().hex}", client(endpoint_url), monkeypatch)
     finally:
-        s3fs.S3FileSystem.clear_instance_cache()
+        _clear_s3fs_instances()

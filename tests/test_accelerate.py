@@ -19,12 +19,15 @@ import json
 import os
 import signal
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 from trainer_jobs import check_script_resumes
 
-pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
+pytestmark = pytest.mark.skipif(
+    find_spec("accelerate") is None, reason="the accelerate extra is not installed"
+)
 
 ITEMS = 24
 BATCH = 2

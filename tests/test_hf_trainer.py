@@ -19,14 +19,17 @@ import json
 import os
 import signal
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import pytest
 from trainer_jobs import check_script_resumes
 
-pytest.importorskip("transformers", reason="the transformers extra is not installed")
-pytest.importorskip("accelerate", reason="the transformers extra is not installed")
+pytestmark = pytest.mark.skipif(
+    find_spec("transformers") is None or find_spec("accelerate") is None,
+    reason="the transformers extra is not installed",
+)
 
 ITEMS = 24
 BATCH = 2

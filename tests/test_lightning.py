@@ -14,13 +14,16 @@ import json
 import os
 import signal
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import pytest
 from trainer_jobs import records, run_job
 
-pytest.importorskip("lightning", reason="the lightning extra is not installed")
+pytestmark = pytest.mark.skipif(
+    find_spec("lightning") is None, reason="the lightning extra is not installed"
+)
 
 STEPS_PER_EPOCH = 6  # per rank: 24 items, batch_size 2, over 2 ranks; 12 on one rank
 EPOCHS = 3
