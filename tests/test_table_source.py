@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from s3_server import S3, S3FS_WARNINGS
@@ -55,6 +53,9 @@ def _rows(n: int, folder: str) -> list[dict[str, Any]]:
 
 def _write_table(rows: list[dict[str, Any]], path: Path, fmt: str) -> Path:
     if fmt == "parquet":
+        import pyarrow as pa  # NOTE [ Heavy imports last ] in conftest.py
+        import pyarrow.parquet as pq
+
         pq.write_table(pa.Table.from_pylist(rows), path)
     elif fmt == "csv":
         with path.open("w", newline="") as file:
@@ -392,6 +393,9 @@ def test_a_remote_table_and_files_through_the_cache(tmp_path: Path) -> None:
 def test_s3_table_and_files_through_the_cache(s3: S3, tmp_path: Path) -> None:
     for i in range(8):
         s3.put(f"samples/files/{i}.bin", _payload(i))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     rows = [{"id": i, "image": f"files/{i}.bin", "label": i % 2} for i in range(8)]
     buffer = pa.BufferOutputStream()
     pq.write_table(pa.Table.from_pylist(rows), buffer)
