@@ -133,7 +133,12 @@ def _no_leaked_child_processes() -> Iterator[None]:
 # grows from about 290 MB to 600 MB and every loader's start and stop costs ~60% more.
 # So the tests that import them run after all the others, in their collected order
 # otherwise, and the test modules import them where used rather than at collection.
-_IMPORTS_HEAVY_MODULES = ("test_docs.py", "test_stateful_adapters.py", "test_table_source.py")
+_IMPORTS_HEAVY_MODULES = (
+    "test_docs.py",
+    "test_hf_trainer.py",
+    "test_stateful_adapters.py",
+    "test_table_source.py",
+)
 _S3_FIXTURES = frozenset({"s3", "endpoint_url"})
 
 
