@@ -48,6 +48,8 @@ def assert_resumes_exactly(
     seed: int = 0,
     boundaries: bool = True,
     last_items: bool = False,
+    inline_chains: bool = False,
+    later_epochs: int | None = None,
     progress: Progress | None = None,
 ) -> ResumeReport:
     """Asserts that ``build()``'s stream resumes exactly from many save points.
@@ -65,6 +67,13 @@ def assert_resumes_exactly(
             each StopIteration (on by default; off for a quick check of ``points`` only).
         last_items: When ``points`` is None, also save after the last item of every
             epoch (before its StopIteration).
+        inline_chains: Take each chain's save from the resumed loader itself, which goes
+            on after it, instead of from a loader restored for that chain alone: one
+            fresh loader a chain instead of two, and the resumed loader is also checked
+            across the saves. Off by default.
+        later_epochs: Compare a restored loader over the epoch it resumes in and at most
+            this many epochs after it (at least 1, so that the next epoch is always
+            checked); by default over every epoch left of the reference run.
         progress: Called as ``progress(done, total)`` after each run of a loader (the
             two reference passes, then every restore); ``total`` is known after the
             first pass.
@@ -79,6 +88,8 @@ def assert_resumes_exactly(
     """
     if epochs < 1:
         raise ValueError("epochs must be at least 1")
+    if later_epochs is not None and later_epochs < 1:
+        raise ValueError("later_epochs must be at least 1 (the next epoch is always checked)")
     lengths = _epoch_lengths(build, epochs)
     chosen = _choose_points(lengths, points, num_points, seed, last_items)
     planned = _planned_runs(lengths, chosen, chain_items, boundaries)
@@ -93,12 +104,15 @@ def assert_resumes_exactly(
     advance()
     reference, saved = _reference_run(build, lengths, chosen, boundaries)
     advance()
-    checker = _Checker(build, reference)
+    checker = _Checker(build, reference, later_epochs)
     report = ResumeReport(items_per_epoch=list(lengths))
     for number, point in enumerate(saved):
         plain_before = point.state.to_plain()
         state = roundtrip(point.state)
-        checker.resume(state, point.start(), point.label)
+        counts = [n for n in chain_items if reference.remaining(point.start()) > n]
+        again = checker.resume(
+            state, point.start(), point.label, saves=counts if inline_chains else ()
+        )
         report.restores += 1
         advance()
         if number == 0:
@@ -111,10 +125,12 @@ def assert_resumes_exactly(
             )
         report.save_points.append(point.label)
         report.boundary_points += point.boundary
-        for count in chain_items:
-            if reference.remaining(point.start()) > count:
+        for count in counts:
+            if inline_chains:
+                checker.chained(again[count], point.start(), count, point.label)
+            else:
                 checker.chain(state, point.start(), count, point.label)
-                report.chains += 1
-                report.restores += 2
-                advance()
+            report.chains += 1
+            report.restores += 1 if inline_chains else 2
+            advance()
     return report

@@ -15,7 +15,7 @@ reference once more up to that position to fetch it, then compares the two struc
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .. import serialization
@@ -39,21 +39,46 @@ def roundtrip(state: RankState) -> RankState:
 
 
 class _Checker:
-    """Restores states into fresh loaders and compares their items with the reference."""
+    """Restores states into fresh loaders and compares their items with the reference:
+    to its end, or over the epoch a loader resumes in and ``later_epochs`` more."""
 
-    def __init__(self, build: Callable[[], SavableDataLoader], reference: _Reference) -> None:
+    def __init__(
+        self,
+        build: Callable[[], SavableDataLoader],
+        reference: _Reference,
+        later_epochs: int | None = None,
+    ) -> None:
         self._build = build
         self._reference = reference
+        self._later_epochs = later_epochs
 
-    def resume(self, state: RankState, start: tuple[int, int], label: str) -> None:
+    def resume(
+        self,
+        state: RankState,
+        start: tuple[int, int],
+        label: str,
+        *,
+        saves: Collection[int] = (),
+    ) -> dict[int, RankState]:
         """Restores ``state`` into a fresh loader; checks it yields the reference from
-        ``start`` on."""
+        ``start`` on. Also saves after each count of ``saves`` items, going on after each
+        save; returns those states by count, sent through the state file encoding."""
         loader = self._build()
         try:
             loader.restore_state_rank(state)
-            self._consume(loader, start, label, limit=None)
+            return self._consume(loader, start, label, limit=None, saves=saves)
         finally:
             loader.close()
+
+    def chained(self, state: RankState, start: tuple[int, int], count: int, label: str) -> None:
+        """Restores ``state``, saved ``count`` items after a restore at ``start``, into a
+        fresh loader and checks it."""
+        epoch, position = start
+        self.resume(
+            state,
+            (epoch, position + count),
+            f"{label}, then {_plural(count, 'item')}, saved and restored again",
+        )
 
     def chain(self, state: RankState, start: tuple[int, int], count: int, label: str) -> None:
         """Restores, consumes ``count`` items, saves, restores into another loader."""
@@ -64,32 +89,39 @@ class _Checker:
             again = roundtrip(first.save_state_rank())
         finally:
             first.close()
-        epoch, position = start
-        self.resume(
-            again,
-            (epoch, position + count),
-            f"{label}, then {_plural(count, 'item')}, saved and restored again",
-        )
+        self.chained(again, start, count, label)
 
     def _consume(
-        self, loader: SavableDataLoader, start: tuple[int, int], label: str, limit: int | None
-    ) -> None:
+        self,
+        loader: SavableDataLoader,
+        start: tuple[int, int],
+        label: str,
+        limit: int | None,
+        saves: Collection[int] = (),
+    ) -> dict[int, RankState]:
         digests = self._reference.digests
         epoch, position = start
+        end = len(digests)
+        if self._later_epochs is not None:
+            end = min(end, epoch + 1 + self._later_epochs)
         after = 0
-        while epoch < len(digests):
+        saved: dict[int, RankState] = {}
+        while epoch < end:
             want = digests[epoch]
             for item in loader:
                 if position >= len(want) or digest(item) != want[position]:
                     raise self._mismatch(label, epoch, position, after, item, loader.last_worker)
                 position += 1
                 after += 1
+                if after in saves:
+                    saved[after] = roundtrip(loader.save_state_rank())
                 if after == limit:
-                    return
+                    return saved
             if position < len(want):
                 raise self._mismatch(label, epoch, position, after, None, None)
             epoch += 1
             position = 0
+        return saved
 
     def _mismatch(
         self,
