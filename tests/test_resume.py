@@ -26,6 +26,14 @@ def _chains(num_workers):
     return (2,) if num_workers >= 3 else (1, 3)
 
 
+def _check(build, **options):
+    """The harness with its chains saved inline (from the resumed loader, which goes on to
+    the end): the same saves and restores with one fresh loader fewer a chain. Chains from
+    loaders of their own, the harness's default, are checked where chains are the point:
+    test_cheap_items_spaced_checkpoints_chain_before_every_worker_delivered."""
+    return assert_resumes_exactly(build, inline_chains=True, **options)
+
+
 @pytest.mark.parametrize("batch_size", [None, 1, 3])
 def test_no_workers(batch_size):
     report = assert_resumes_exactly(
@@ -44,14 +52,15 @@ def test_no_workers(batch_size):
         (2, None),
         (2, 3),
         # One worker, batch sizes 1 and None, and 4 workers with batches of 3 added
-        # nothing the kept cases do not cover, for about a minute of the suite.
+        # nothing the kept cases do not cover, for about a minute of the suite. Four
+        # workers: test_three_epochs_with_four_workers_and_many_points; batches of one item
+        # from workers: test_cheap_items_spaced_checkpoints_chain_before_every_worker_delivered.
         pytest.param(3, 3, marks=slow),
-        pytest.param(4, 1, marks=slow),
     ],
 )
 def test_workers_uneven_shards(num_workers, batch_size):
     """Worker w's shard is longer than worker w-1's: workers end their epochs apart."""
-    assert_resumes_exactly(
+    _check(
         _build(
             lambda: RandomCounter(11, uneven=True), batch_size=batch_size, num_workers=num_workers
         ),
@@ -62,7 +71,7 @@ def test_workers_uneven_shards(num_workers, batch_size):
 @slow
 @pytest.mark.parametrize("prefetch_factor", [1, 4])
 def test_prefetch_factor(prefetch_factor):
-    assert_resumes_exactly(
+    _check(
         _build(
             lambda: RandomCounter(23),
             batch_size=2,
@@ -74,7 +83,7 @@ def test_prefetch_factor(prefetch_factor):
 
 @pytest.mark.parametrize("num_workers", [0, pytest.param(3, marks=slow)])
 def test_drop_last(num_workers):
-    report = assert_resumes_exactly(
+    report = _check(
         _build(
             lambda: RandomCounter(14, uneven=True),
             batch_size=3,
@@ -89,7 +98,7 @@ def test_drop_last(num_workers):
 @slow
 def test_three_epochs_with_four_workers_and_many_points():
     """Later epochs after a mid-epoch restore equal an uninterrupted run's."""
-    report = assert_resumes_exactly(
+    report = _check(
         _build(lambda: RandomCounter(9, uneven=True), batch_size=2, num_workers=4),
         epochs=3,
         num_points=5,
@@ -99,7 +108,7 @@ def test_three_epochs_with_four_workers_and_many_points():
 
 
 def test_dataset_with_skip_fast_path():
-    assert_resumes_exactly(_build(lambda: SkippingCounter(40), batch_size=2, num_workers=2))
+    _check(_build(lambda: SkippingCounter(40), batch_size=2, num_workers=2))
 
 
 @pytest.mark.parametrize(
@@ -107,7 +116,7 @@ def test_dataset_with_skip_fast_path():
     [(0, True), (0, False), (2, True), pytest.param(3, False, marks=slow)],
 )
 def test_map_style_dataset(num_workers, shuffle):
-    assert_resumes_exactly(
+    _check(
         _build(lambda: Squares(37), batch_size=4, num_workers=num_workers, shuffle=shuffle),
         chain_items=_chains(num_workers),
     )
@@ -115,9 +124,7 @@ def test_map_style_dataset(num_workers, shuffle):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_stateful_object(num_workers):
-    assert_resumes_exactly(
-        _build(lambda: StatefulCounter(15), batch_size=2, num_workers=num_workers)
-    )
+    _check(_build(lambda: StatefulCounter(15), batch_size=2, num_workers=num_workers))
 
 
 @slow
@@ -137,7 +144,7 @@ def test_start_methods(method):
         # next epoch. Workers started anew per epoch in a fresh interpreter: the forkserver
         # case; with spawn, tests/test_conformance.py::test_spawned_workers_resume_exactly.
         options, points = {"persistent_workers": True}, [4]
-    assert_resumes_exactly(
+    _check(
         _build(
             lambda: RandomCounter(9, uneven=True),
             batch_size=2,
@@ -157,7 +164,7 @@ def test_pin_memory():
         warnings.filterwarnings(
             "ignore", message=".*pin_memory.*no accelerator", category=UserWarning
         )
-        assert_resumes_exactly(
+        _check(
             _build(lambda: RandomCounter(12), batch_size=3, num_workers=2, pin_memory=True),
             num_points=4,
         )
@@ -241,3 +248,62 @@ def test_harness_catches_a_generator_left_out_of_the_state():
             chain_items=(),
             boundaries=False,
         )
+
+
+class SavesAheadOnceRestored(RandomCounter):
+    """A broken dataset: once restored, the states it saves are one item ahead."""
+
+    restored = False
+
+    def restore_state(self, state):
+        super().restore_state(state)
+        self.restored = state is not None
+
+    def save_state(self):
+        state = super().save_state()
+        return {**state, "pos": state["pos"] + 1} if self.restored else state
+
+
+@pytest.mark.parametrize("inline_chains", [False, True])
+def test_harness_chains_catch_a_state_saved_wrongly_after_a_restore(inline_chains):
+    """Only a chain saves from a restored dataset: both ways of chaining catch it."""
+    build = _build(
+        lambda: SavesAheadOnceRestored(12),
+        batch_size=2,
+        num_workers=0,
+        worker_config=WorkerConfig(checkpoint_share=1.0),
+    )
+    options = {"points": [3], "boundaries": False, "inline_chains": inline_chains}
+    assert_resumes_exactly(build, chain_items=(), **options)
+    with pytest.raises(ResumeMismatch, match="saved and restored again"):
+        assert_resumes_exactly(build, chain_items=(1,), **options)
+
+
+class NumbersItsNextEpochWrongOnceRestored(RandomCounter):
+    """A broken dataset: restored mid-epoch, it numbers the epoch after that one too far."""
+
+    jump = False
+
+    def restore_state(self, state):
+        super().restore_state(state)
+        self.jump = state is not None and state["pos"] > 0
+
+    def __iter__(self):
+        yield from super().__iter__()
+        if self.jump:
+            self.epoch += 1
+            self.jump = False
+
+
+def test_harness_with_later_epochs_still_compares_the_next_epoch():
+    build = _build(
+        lambda: NumbersItsNextEpochWrongOnceRestored(12),
+        batch_size=2,
+        num_workers=0,
+        worker_config=WorkerConfig(checkpoint_share=1.0),
+    )
+    with pytest.raises(ValueError, match="later_epochs must be at least 1"):
+        assert_resumes_exactly(build, later_epochs=0)
+    options = {"epochs": 3, "points": [3], "chain_items": (), "boundaries": False}
+    with pytest.raises(ResumeMismatch, match="resumed epoch 1 differs"):
+        assert_resumes_exactly(build, later_epochs=1, **options)
