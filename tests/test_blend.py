@@ -18,7 +18,7 @@ from savable_loader.datasets.blend import Blend
 from savable_loader.datasets.indexed import IndexedDataset
 
 slow = pytest.mark.slow
-WORKERS = [0, pytest.param(3, marks=slow)]
+WORKERS = [0, pytest.param(2, marks=slow)]
 CONTEXT = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, seed=0, batch_size=None)
 
 
@@ -59,7 +59,7 @@ def test_resumes_exactly(stop: str, batch_size: int | None) -> None:
 @slow
 @pytest.mark.parametrize("stop", STOPS)
 def test_resumes_exactly_with_workers(stop: str) -> None:
-    check_stage(lambda: _pipeline(stop), num_workers=3)
+    check_stage(lambda: _pipeline(stop), num_workers=2)
 
 
 def _entries(cursor: Cursor[Any], n: int) -> list[Any]:

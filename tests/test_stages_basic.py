@@ -15,7 +15,7 @@ from savable_loader.datasets.indexed import IndexedDataset
 from savable_loader.datasets.map import Map
 
 slow = pytest.mark.slow
-WORKERS = [0, pytest.param(3, marks=slow)]
+WORKERS = [0, pytest.param(2, marks=slow)]
 CONTEXT = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, seed=0, batch_size=None)
 
 
