@@ -105,7 +105,6 @@ def test_resumes_exactly_through_the_cache(
         lambda: _build(kind, memory, split=split, cache_dir=tmp_path, cache_limit=10**6),
         num_workers=0,
         batch_size=None if kind == "tar" else 2,
-        num_points=4,
     )
     assert list(tmp_path.glob("*.data"))
 

@@ -143,7 +143,7 @@ def test_resuming_through_the_counted_files_is_exact(memory: str, kind: str) -> 
     source = build()
     _stream(source)
     assert storage_stats(source) is not None  # read through the counted files
-    check_stage(build, num_workers=0, batch_size=None, num_points=4)
+    check_stage(build, num_workers=0, batch_size=None)
 
 
 def test_local_files_are_not_counted(tmp_path: Path) -> None:
