@@ -149,7 +149,9 @@ def test_even_is_checked_and_only_drop_changes_the_fingerprint():
 def test_a_padded_rank_resumes_exactly(workers, even):
     # Rank 1 of 2 over 9 items: its last batch holds a padded item (with "pad").
     build = partial(_loader, 9, 1, 2, workers, shuffle=True, even=even)
-    report = assert_resumes_exactly(build, epochs=2, num_points=4, last_items=True)
+    report = assert_resumes_exactly(
+        build, epochs=2, num_points=4, last_items=True, inline_chains=True
+    )
     assert report.restores > 0
 
 

@@ -58,5 +58,6 @@ def test_with_workers(n, uneven, num_workers, prefetch_factor, batch_size, drop_
         seed=point_seed,
         chain_items=(1,),
         boundaries=False,
+        inline_chains=True,
     )
     assert len(report.save_points) >= min(3, sum(report.items_per_epoch))

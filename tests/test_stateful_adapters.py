@@ -94,6 +94,7 @@ def _check(make: Any, *, num_workers: int, dense: bool = True, **kwargs: Any) ->
         lambda: SavableDataLoader(
             make(), batch_size=2, num_workers=num_workers, worker_config=config
         ),
+        inline_chains=True,
         **kwargs,
     )
 
@@ -152,6 +153,7 @@ def test_replay_keeps_draws_made_around_the_object(num_workers):
         ),
         num_points=4,
         chain_items=(1,),
+        inline_chains=True,
     )
 
 
