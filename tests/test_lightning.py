@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_jobs import records, run_job
+from trainer_jobs import Job, Records, records, run_job
 
 pytestmark = pytest.mark.skipif(
     find_spec("lightning") is None, reason="the lightning extra is not installed"
@@ -118,36 +118,48 @@ def _job(out: str, ranks: int, distributed_sampler: str, ckpt: str, kill: str) -
     trainer.fit(Model(), datamodule=Data(), ckpt_path=resume)
 
 
+def _command(out: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> list[str]:
+    return [sys.executable, __file__, str(out), str(ranks), sampler, ckpt, kill]
+
+
 def _run(out: Path, ranks: int, sampler: str, ckpt: str, kill: str = "none") -> int:
-    command = [sys.executable, __file__, str(out), str(ranks), sampler, ckpt, kill]
-    return run_job(command, kill, TIMEOUT)
+    return run_job(_command(out, ranks, sampler, ckpt, kill), kill, TIMEOUT)
 
 
-_REFERENCES: dict[tuple[int, str], list[list[dict[str, Any]]]] = {}
-
-
-def _reference(tmp: Path, ranks: int, sampler: str) -> list[list[dict[str, Any]]]:
-    """The uninterrupted run's records, once per number of ranks and sampler: it saves
-    every 4 steps, and serves the per-epoch checkpoint cases too (a save does not change
-    the stream; if it did, a resume with other save points would differ)."""
-    key = (ranks, sampler)
-    if key not in _REFERENCES:
-        out = tmp / "reference"
-        out.mkdir()
-        _run(out, ranks, sampler, "steps")
-        _REFERENCES[key] = [records(out, rank) for rank in range(ranks)]
-    return _REFERENCES[key]
-
-
-def _check_resume(tmp: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> None:
-    reference = _reference(tmp, ranks, sampler)
-    out = tmp / "run"
-    out.mkdir()
+def _killed_and_resumed(out: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> list[Records]:
+    """Runs the job killed as ``kill`` says, then resumed; returns the killed run's records
+    (the resumed run's are in ``out``)."""
     assert _run(out, ranks, sampler, ckpt, kill) == -signal.SIGKILL
     killed = [records(out, rank) for rank in range(ranks)]
     for rank in range(ranks):
         (out / f"rank{rank}.jsonl").rename(out / f"killed{rank}.jsonl")
     _run(out, ranks, sampler, ckpt)
+    return killed
+
+
+_REFERENCES: dict[tuple[int, str], list[Records]] = {}
+
+
+def _check_resume(tmp: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> None:
+    """The uninterrupted run's records come once per number of ranks and sampler: it saves
+    every 4 steps, and serves the per-epoch checkpoint cases too (a save does not change
+    the stream; if it did, a resume with other save points would differ). The first test
+    that needs it runs it beside its killed and resumed runs (NOTE [ The reference beside
+    the killed run ] in trainer_jobs.py)."""
+    key = (ranks, sampler)
+    out = tmp / "run"
+    out.mkdir()
+    if key in _REFERENCES:
+        killed = _killed_and_resumed(out, ranks, sampler, ckpt, kill)
+    else:
+        uninterrupted = tmp / "reference"
+        uninterrupted.mkdir()
+        command = _command(uninterrupted, ranks, sampler, "steps", "none")
+        with Job(command, "none", TIMEOUT) as job:
+            killed = _killed_and_resumed(out, ranks, sampler, ckpt, kill)
+            job.wait()
+        _REFERENCES[key] = [records(uninterrupted, rank) for rank in range(ranks)]
+    reference = _REFERENCES[key]
     per_epoch = STEPS_PER_EPOCH * (2 // ranks)
     for rank in range(ranks):
         resumed = records(out, rank)

@@ -6,6 +6,12 @@ Run as a script, ``python trainer_jobs.py SCRIPT OUT RANKS KILL`` starts ``SCRIP
 KILL`` once per rank (:func:`launch_ranks`): a launcher that imports nothing but the
 standard library, so the ranks start at once instead of after a second import of the
 trainer's library.
+
+NOTE [ The reference beside the killed run ]
+A job spends most of its time importing the trainer's library, on one core per rank. The
+uninterrupted reference run does not depend on the killed run, so it runs at the same
+time as the killed run and its resumption (:class:`Job`), each job in a session of its
+own and out folder of its own; the comparison waits for it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,28 +30,52 @@ from typing import Any
 Records = list[dict[str, Any]]
 
 
+class Job:
+    """``command`` started in a session of its own (a kill takes the job's whole group, never
+    pytest). :meth:`wait` returns its exit code: a job not meant to be killed (``kill ==
+    "none"``), or one that ended otherwise than by SIGKILL, must exit 0; one past
+    ``timeout`` seconds from its start is killed and raises ``TimeoutExpired``. Leaving the
+    ``with`` block kills a job still running (a failed check does not leave it behind)."""
+
+    def __init__(self, command: list[str], kill: str, timeout: float) -> None:
+        self.kill = kill
+        self.deadline = time.monotonic() + timeout
+        self.process = subprocess.Popen(
+            command,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+
+    def wait(self) -> int:
+        process = self.process
+        try:
+            _, err = process.communicate(timeout=max(self.deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        if self.kill == "none" or process.returncode != -signal.SIGKILL:
+            assert process.returncode == 0, err[-3000:]
+        return process.returncode
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.communicate()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def run_job(command: list[str], kill: str, timeout: float) -> int:
-    """Runs ``command`` in a session of its own (a kill takes the job's whole group, never
-    pytest); returns its exit code. A job not meant to be killed (``kill == "none"``), or
-    one that ended otherwise than by SIGKILL, must exit 0; one past ``timeout`` is killed
-    and raises ``TimeoutExpired``."""
-    process = subprocess.Popen(
-        command,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    try:
-        _, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    if kill == "none" or process.returncode != -signal.SIGKILL:
-        assert process.returncode == 0, err[-3000:]
-    return process.returncode
+    """Runs ``command`` as a :class:`Job` and waits for it; returns its exit code."""
+    with Job(command, kill, timeout) as job:
+        return job.wait()
 
 
 def records(out: Path, rank: int) -> Records:
@@ -60,7 +91,7 @@ def produced(out: Path) -> int:
 
 def check_resume(
     run: Callable[[Path, int, str], int],
-    reference: list[Records],
+    uninterrupted: Callable[[], list[Records]],
     tmp: Path,
     ranks: int,
     kill: str,
@@ -72,12 +103,13 @@ def check_resume(
 ) -> None:
     """Runs a job killed as ``kill`` says (``step:<n>``: before step n; ``after:<n>``: right
     after step n's checkpoint), resumes it from the trainer's last checkpoint, and checks
-    the steps against ``reference``, an uninterrupted run's: batch for batch (ids,
-    augmented values, losses), mid-epoch, and without producing the skipped items again.
+    the steps against an uninterrupted run's: batch for batch (ids, augmented values,
+    losses), mid-epoch, and without producing the skipped items again.
 
     Args:
         run: ``run(out, ranks, kill)`` runs the job writing into ``out``.
-        reference: Each rank's records of an uninterrupted run.
+        uninterrupted: Returns each rank's records of an uninterrupted run, once the
+            killed and resumed runs are done (NOTE [ The reference beside the killed run ]).
         every: The job checkpoints every ``every`` steps.
     """
     per_epoch = items // batch // ranks
@@ -89,6 +121,7 @@ def check_resume(
         (out / f"rank{rank}.jsonl").rename(out / f"killed{rank}.jsonl")
     (out / "produced.txt").unlink()
     run(out, ranks, "none")
+    reference = uninterrupted()
     for rank in range(ranks):
         assert [r["step"] for r in reference[rank]] == list(range(epochs * per_epoch))
         resumed = records(out, rank)
@@ -152,19 +185,29 @@ def check_script_resumes(
     (one rank: directly; more: through this module's launcher); the uninterrupted
     reference runs once per script and number of ranks."""
 
-    def run(out: Path, ranks: int, kill: str) -> int:
+    def command(out: Path, kill: str) -> list[str]:
         if ranks == 1:
-            command = [sys.executable, script, "job", str(out), kill]
-        else:
-            command = [sys.executable, __file__, script, str(out), str(ranks), kill]
-        return run_job(command, kill, timeout)
+            return [sys.executable, script, "job", str(out), kill]
+        return [sys.executable, __file__, script, str(out), str(ranks), kill]
 
-    if (script, ranks) not in _REFERENCES:
-        out = tmp / "reference"
-        out.mkdir()
-        run(out, ranks, "none")
-        _REFERENCES[script, ranks] = [records(out, rank) for rank in range(ranks)]
-    check_resume(run, _REFERENCES[script, ranks], tmp, ranks, kill, **sizes)
+    def run(out: Path, ranks: int, kill: str) -> int:
+        return run_job(command(out, kill), kill, timeout)
+
+    key = (script, ranks)
+    if key in _REFERENCES:
+        check_resume(run, lambda: _REFERENCES[key], tmp, ranks, kill, **sizes)
+        return
+    out = tmp / "reference"
+    out.mkdir()
+    # NOTE [ The reference beside the killed run ]
+    with Job(command(out, "none"), "none", timeout) as reference:
+
+        def uninterrupted() -> list[Records]:
+            reference.wait()
+            _REFERENCES[key] = [records(out, rank) for rank in range(ranks)]
+            return _REFERENCES[key]
+
+        check_resume(run, uninterrupted, tmp, ranks, kill, **sizes)
 
 
 if __name__ == "__main__":
