@@ -7,10 +7,12 @@ map-style dataset with ``DistributedSampler``). Each run is a real ``python -m t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,9 +27,9 @@ STOP_AT = 13  # after the save at step 10: steps 11 to 13 are trained twice
 RUN_TIMEOUT = 120.0
 
 
-def _torchrun(
+def _start(
     ckpt: Path, *extra: str, script: Path = SCRIPT, steps: bool = True
-) -> subprocess.CompletedProcess[str]:
+) -> subprocess.Popen[str]:
     command = [
         sys.executable,
         "-m",
@@ -40,9 +42,12 @@ def _torchrun(
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
+    return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
+
+
+def _finish(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
     try:
         stdout, stderr = process.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -53,8 +58,33 @@ def _torchrun(
         except subprocess.TimeoutExpired:
             process.kill()
             stdout, stderr = process.communicate()
-        pytest.fail(f"torchrun {extra} did not finish in {RUN_TIMEOUT:.0f} s:\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+        pytest.fail(
+            f"torchrun {process.args} did not finish in {RUN_TIMEOUT:.0f} s:\n{stderr[-3000:]}"
+        )
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _torchrun(
+    ckpt: Path, *extra: str, script: Path = SCRIPT, steps: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return _finish(_start(ckpt, *extra, script=script, steps=steps))
+
+
+@contextlib.contextmanager
+def _beside(process: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """The uninterrupted reference run goes beside the crashed run and its resumption: the
+    jobs are independent, and each spends much of its time importing torch on one core.
+    A run still going when the block fails is ended, as a timeout ends it."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.communicate(timeout=30.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
 
 
 def _log(ckpt: Path, rank: int) -> list[tuple[int, str]]:
@@ -95,20 +125,21 @@ def test_torchrun_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Pa
     assert STOP_AT % SAVE_EVERY != 0
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
 
-    run = _torchrun(reference)
-    assert run.returncode == 0, run.stderr[-3000:]
-    run = _torchrun(crashed, f"--stop-at={STOP_AT}")
-    assert run.returncode != 0, "the run with --stop-at should end as a crash does"
-    assert "exitcode  : 17" in run.stderr
-    # A rank logs a step before the next step's gradient all-reduce, so every rank got
-    # at least to STOP_AT - 1; whether the other rank logged STOP_AT before torchrun
-    # stopped it is a race.
-    before = [_log(crashed, rank) for rank in range(RANKS)]
-    for log in before:
-        assert STOP_AT - 1 <= len(log) <= STOP_AT
-        assert [step for step, _ in log] == list(range(1, len(log) + 1))
-    run = _torchrun(crashed)
-    assert run.returncode == 0, run.stderr[-3000:]
+    with _beside(_start(reference)) as uninterrupted:
+        run = _torchrun(crashed, f"--stop-at={STOP_AT}")
+        assert run.returncode != 0, "the run with --stop-at should end as a crash does"
+        assert "exitcode  : 17" in run.stderr
+        # A rank logs a step before the next step's gradient all-reduce, so every rank got
+        # at least to STOP_AT - 1; whether the other rank logged STOP_AT before torchrun
+        # stopped it is a race.
+        before = [_log(crashed, rank) for rank in range(RANKS)]
+        for log in before:
+            assert STOP_AT - 1 <= len(log) <= STOP_AT
+            assert [step for step, _ in log] == list(range(1, len(log) + 1))
+        run = _torchrun(crashed)
+        assert run.returncode == 0, run.stderr[-3000:]
+        run = _finish(uninterrupted)
+        assert run.returncode == 0, run.stderr[-3000:]
 
     _assert_resumed(
         reference, crashed, before, steps=STEPS, last_save=STOP_AT - STOP_AT % SAVE_EVERY
@@ -134,15 +165,17 @@ def test_sampler_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Pat
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
     options = (f"--save-every={SAMPLER_SAVE_EVERY}", "--epochs=3")
 
-    run = _torchrun(reference, *options, script=SAMPLER_SCRIPT, steps=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    stop = f"--stop-at={SAMPLER_STOP_AT}"
-    run = _torchrun(crashed, *options, stop, script=SAMPLER_SCRIPT, steps=False)
-    assert run.returncode != 0, "the run with --stop-at should end as a crash does"
-    assert "exitcode  : 17" in run.stderr
-    before = [_log(crashed, rank) for rank in range(RANKS)]
-    run = _torchrun(crashed, *options, script=SAMPLER_SCRIPT, steps=False)
-    assert run.returncode == 0, run.stderr[-3000:]
+    first = _start(reference, *options, script=SAMPLER_SCRIPT, steps=False)
+    with _beside(first) as uninterrupted:
+        stop = f"--stop-at={SAMPLER_STOP_AT}"
+        run = _torchrun(crashed, *options, stop, script=SAMPLER_SCRIPT, steps=False)
+        assert run.returncode != 0, "the run with --stop-at should end as a crash does"
+        assert "exitcode  : 17" in run.stderr
+        before = [_log(crashed, rank) for rank in range(RANKS)]
+        run = _torchrun(crashed, *options, script=SAMPLER_SCRIPT, steps=False)
+        assert run.returncode == 0, run.stderr[-3000:]
+        run = _finish(uninterrupted)
+        assert run.returncode == 0, run.stderr[-3000:]
 
     for log in before:
         assert SAMPLER_STOP_AT - 1 <= len(log) <= SAMPLER_STOP_AT
