@@ -122,18 +122,21 @@ def test_resumes_exactly_without_workers(name):
     assert all(count > 0 for count in report.items_per_epoch)
 
 
+# Two workers: each reads its own shards of the Hugging Face dataset (3 of 6) or of the
+# object (uneven for read_ahead_replay), as three did; round-robin over three workers and
+# more is tests/test_resume.py's.
 @slow
 @pytest.mark.parametrize(
     "name", ["hf", "hf_map_rng_replay", "hf_shuffle_map_rng", "node", "read_ahead_replay"]
 )
-def test_resumes_exactly_with_three_workers(name):
-    _check(BUILDS[name], num_workers=3, num_points=3, chain_items=(1,))
+def test_resumes_exactly_with_workers(name):
+    _check(BUILDS[name], num_workers=2, num_points=3, chain_items=(1,))
 
 
 @slow
 def test_resumes_exactly_with_default_checkpoints():
     """Sparse checkpoints: the loader replays on top of the adapter's own replay."""
-    _check(BUILDS["hf_shuffle_map_rng"], num_workers=3, dense=False, num_points=3, chain_items=(2,))
+    _check(BUILDS["hf_shuffle_map_rng"], num_workers=2, dense=False, num_points=3, chain_items=(1,))
 
 
 def _noisy_collate(batch: list[Any]) -> Any:
