@@ -40,6 +40,17 @@ stream holds the loader only weakly (a proxy), so no reference cycle keeps a dro
 loader, its torch iterator and its workers alive until the next garbage collection: a
 loader built inside a function and left mid-epoch stops its workers when the function
 returns, as torch's does. ``close()`` stops them explicitly, whatever refers to it.
+
+NOTE [ Worker deaths are found where they are asked about ]
+Torch watches its workers with a SIGCHLD handler that raises RuntimeError in the main
+thread wherever it is when one dies: in a save, between two lines of the training step,
+or on the way into ``next()``, outside anything that could turn it into the loader's
+error. Once torch's iterator is built (a death while it starts is still torch's error,
+held back until the constructor returns: ``deferred_worker_death``), the stream takes
+its workers off that watch. A death is found where the loader waits on the workers:
+torch's iterator, polled at least once a second (NOTE [ Watchdog ]), sees the dead
+process, and a command's wait checks the workers are alive; either raises WorkerError
+naming the worker, from the next ``next()``, save or restore.
 """
 
 from __future__ import annotations
@@ -138,6 +149,7 @@ class Stream:
         try:
             with _torch_compat.deferred_worker_death():
                 iterator = DataLoader.__iter__(loader)
+            _torch_compat.unwatch_workers(iterator)  # NOTE [ Worker deaths are found where ... ]
             _torch_compat.unblock_done_event(iterator)
             return iterator
         except RuntimeError as error:

@@ -5,7 +5,8 @@ Everything else extends ``DataLoader`` through public seams (``__init__``, the d
 it iterates, ``__iter__``). Two things have no public seam: stopping a persistent
 iterator's workers before the loader is garbage collected (needed by a restore on a
 running loader and by ``close()``), and seeing the worker processes to tell a dead worker
-from a slow one while waiting on a command, or to stop one that hung. One behaviour is
+from a slow one while waiting on a command, or to stop one that hung, and taking them off
+torch's SIGCHLD watch (:func:`unwatch_workers`). One behaviour is
 relied on without a private name: an iterator whose ``timeout`` expired raises
 RuntimeError("DataLoader timed out after ...") and, asked again, keeps waiting for the
 same item, losing nothing (NOTE [ Watchdog ] in ``_stream.py``).
@@ -69,6 +70,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
+from torch.utils.data._utils import signal_handling
 
 __all__ = [
     "deferred_worker_death",
@@ -244,6 +246,15 @@ class _DoneFlag:
         finally:
             if locked:
                 self._lock.release()
+
+
+def unwatch_workers(iterator: Any) -> None:
+    """Takes the iterator's workers off torch's SIGCHLD watch (NOTE [ Worker deaths are
+    found where they are asked about ] in ``_stream.py``); torch's shutdown then skips
+    them there too. A no-op once done, and for an iterator without workers."""
+    if getattr(iterator, "_worker_pids_set", False):
+        signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
 
 
 def unblock_done_event(iterator: Any) -> None:

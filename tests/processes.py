@@ -47,10 +47,10 @@ def _all_threads_stopped(pid: int) -> bool:
 def kill(pid: int, timeout: float = 10.0) -> None:
     """Kills ``pid`` (SIGKILL) and returns once it has died.
 
-    Torch's SIGCHLD handler raises RuntimeError in the main thread wherever it is when a
-    worker dies; a test that kills a worker and then calls the loader would otherwise see
-    that error land in its own code, before the loader's call, now and then. It lands here
-    instead, and the loader finds the dead worker by itself.
+    The loader takes its workers off torch's SIGCHLD watch (NOTE [ Worker deaths are found
+    where they are asked about ] in ``_stream.py``); a worker of torch's own ``DataLoader``
+    is on it, and its death raises RuntimeError in the main thread wherever it is: here,
+    where it is absorbed.
     """
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout

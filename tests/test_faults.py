@@ -24,8 +24,8 @@ while iterating    ``test_kill_while_iterating``   ``test_hang_while_iterating``
 save_state_rank    ``test_kill_during_save_rank``  ``test_hang_during_save_rank``
                    (also test_workers.py::test_    (the save does not wait for the
                    dead_worker_during_save_raises  item in progress: it succeeds,
-                   _worker_error_naming_it, ..._   exact; the hang is reported by
-                   with_torchs_signal_handler_...) the next item within
+                   _worker_error_naming_it)        exact; the hang is reported by
+                                                   the next item within
                                                    item_timeout)
 save_state_global  ``test_kill_during_save_global  ``test_hang_during_save_global``
 (2 gloo ranks)     `` (also test_distributed.py::  (as for save_state_rank, on
@@ -290,22 +290,17 @@ def test_item_timeout_must_be_positive(value: float) -> None:
 
 def test_kill_during_save_rank() -> None:
     reference = _reference()
-    # Torch's SIGCHLD handler would raise RuntimeError wherever the main thread is when
-    # the worker dies; blocking SIGCHLD makes the save's own liveness check find it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    try:
-        with _loader() as loader:
-            stream = _stream(loader, EPOCHS)
-            head = [next(stream) for _ in range(7)]
-            state = loader.save_state_rank()
-            kill(_pids(loader)[1])
-            _raises_within(
-                loader.save_state_rank,
-                COMMAND_TIMEOUT,
-                match=r"worker\(s\) \[1\] died during a save",
-            )
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    with _loader() as loader:
+        stream = _stream(loader, EPOCHS)
+        head = [next(stream) for _ in range(7)]
+        state = loader.save_state_rank()
+        kill(_pids(loader)[1])
+        # NOTE [ Worker deaths are found where they are asked about ] in _stream.py.
+        _raises_within(
+            loader.save_state_rank,
+            COMMAND_TIMEOUT,
+            match=r"worker\(s\) \[1\] died during a save",
+        )
     _account(head, _resume(state), reference)
 
 
@@ -475,7 +470,7 @@ def _fault_job(fault: str, rank: int, world_size: int, tmp: Path) -> dict[str, A
 
 def _launch(fault: str, tmp: Path, world_size: int = 2) -> list[dict[str, Any]]:
     job = functools.partial(_fault_job, fault)
-    reports = run_ranks(job, world_size, tmp, timeout=JOB_TIMEOUT, block_sigchld=True)
+    reports = run_ranks(job, world_size, tmp, timeout=JOB_TIMEOUT)
     if sorted(set(range(world_size)) - set(reports)):
         TALLY["hangs"] += 1
     return in_rank_order(reports, world_size, fault)
