@@ -79,7 +79,9 @@ def _stream(source: Any) -> list[Any]:
 
 def _plain(item: Any) -> Any:
     """A tar sample without its URL (the bucket's or the folder's)."""
-    return {k: v for k, v in item.items() if k != "__url__"} if "__key__" in item else item
+    if isinstance(item, dict) and "__key__" in item:
+        return {k: v for k, v in item.items() if k != "__url__"}
+    return item
 
 
 # What a source reading s3:// directly reports.
