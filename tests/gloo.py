@@ -1,5 +1,16 @@
-"""Runs a job on several ``torch.distributed`` ranks over gloo: spawned processes on
-loopback, each reporting one result; every wait is bounded."""
+"""Runs a job on several ``torch.distributed`` ranks over gloo: processes on loopback,
+each reporting one result; every wait is bounded.
+
+NOTE [ Ranks from a forkserver ]
+Each rank is a fresh process, as torchrun starts them, but forked from multiprocessing's
+forkserver, which has imported torch once (the list ``test_resume.py``'s forkserver case
+gives it too), instead of a spawned interpreter that imports torch itself: seconds per
+job of two or three ranks. The forkserver is a process of its own that never ran the
+tests (nothing of pytest's threads or state reaches the ranks) and lives as long as
+pytest, which the leak check knows. A rank takes ``sys.path`` and the working directory
+from the test, as a spawned one does, but the environment variables the forkserver
+started with: the jobs here set none of theirs through the environment.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +18,6 @@ import datetime
 import faulthandler
 import multiprocessing
 import queue as queue_module
-import signal
 import socket
 import sys
 import time
@@ -31,7 +41,6 @@ def _run_rank(
     job: Job,
     tmp: str,
     out: Any,
-    block_sigchld: bool,
     timeout: float,
 ) -> None:
     import torch.distributed as dist
@@ -44,11 +53,6 @@ def _run_rank(
     # Workers start as in a job launched by torchrun: forked (spawn would start each one
     # as a fresh interpreter importing torch, seconds per loader).
     multiprocessing.set_start_method("fork", force=True)
-    if block_sigchld:
-        # Blocked in every thread (gloo's included, hence before the process group starts
-        # them) so that torch's SIGCHLD handler does not raise first: the loader's own
-        # liveness checks must find a dead worker.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     try:
         dist.init_process_group(
             "gloo",
@@ -75,18 +79,19 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    job: Job, world_size: int, tmp: Path, *, timeout: float, block_sigchld: bool = False
+    job: Job, world_size: int, tmp: Path, *, timeout: float
 ) -> dict[int, tuple[str, Any]]:
-    """Runs ``job`` on ``world_size`` spawned ranks; returns ``{rank: (status, report)}``
-    for the ranks that reported within ``timeout`` (status "ok", or "error" with the
-    traceback). Ranks still running then are killed."""
-    context = multiprocessing.get_context("spawn")
+    """Runs ``job`` on ``world_size`` ranks (NOTE [ Ranks from a forkserver ]); returns
+    ``{rank: (status, report)}`` for the ranks that reported within ``timeout`` (status
+    "ok", or "error" with the traceback). Ranks still running then are killed."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
     out = context.Queue()
     port = _free_port()
     processes = [
         context.Process(
             target=_run_rank,
-            args=(rank, world_size, port, job, str(tmp), out, block_sigchld, timeout),
+            args=(rank, world_size, port, job, str(tmp), out, timeout),
         )
         for rank in range(world_size)
     ]

@@ -1,8 +1,9 @@
 """save_state_global / restore_state_global over real process groups (gloo, 2 and 3 ranks).
 
-Each job starts one spawned process per rank; ranks report through a queue and the parent
-asserts. The helpers below live at module level so that spawned children can import them
-(pytest puts ``tests/`` on ``sys.path``, and spawn hands ``sys.path`` to the children).
+Each job starts one process per rank (NOTE [ Ranks from a forkserver ] in gloo.py); ranks
+report through a queue and the parent asserts. The helpers below live at module level so
+that the ranks can import them (pytest puts ``tests/`` on ``sys.path``, and
+multiprocessing hands ``sys.path`` to the children).
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ _STALL = "did not answer 'progress'"
 
 
 def _launch(world_size: int, job: str, tmp: Path) -> list[dict[str, Any]]:
-    """Runs ``job`` on ``world_size`` spawned ranks; returns each rank's report.
+    """Runs ``job`` on ``world_size`` ranks; returns each rank's report.
 
     NOTE [ A worker that stalls at start-up ]
     In two of four full-suite runs (the last CI run and one here; never in 15 runs of
@@ -225,9 +226,7 @@ def _launch(world_size: int, job: str, tmp: Path) -> list[dict[str, Any]]:
     after printing the first failure; a second failure, or any other, fails the test.
     """
     for attempt in (1, 2):
-        reports = run_ranks(
-            _JOBS[job], world_size, tmp, timeout=JOB_TIMEOUT, block_sigchld=job == "kill"
-        )
+        reports = run_ranks(_JOBS[job], world_size, tmp, timeout=JOB_TIMEOUT)
         errors = [payload for status, payload in reports.values() if status != "ok"]
         if attempt == 1 and job != "kill" and any(_STALL in str(e) for e in errors):
             print(f"{job} on {world_size} ranks: a worker stalled at start-up, run again:")

@@ -11,8 +11,8 @@ tests account for every item: what the old ranks consumed of the interrupted epo
 what the new ranks deliver for its rest is the epoch, each item exactly once; the next
 epoch on each new rank is what a fresh run on the new layout delivers there.
 
-The helpers live at module level so that the spawned ranks can import them (pytest puts
-``tests/`` on ``sys.path`` and spawn hands ``sys.path`` to the children).
+The helpers live at module level so that the ranks can import them (pytest puts ``tests/``
+on ``sys.path`` and multiprocessing hands ``sys.path`` to the children).
 """
 
 from __future__ import annotations
