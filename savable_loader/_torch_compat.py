@@ -253,7 +253,7 @@ def unwatch_workers(iterator: Any) -> None:
     found where they are asked about ] in ``_stream.py``); torch's shutdown then skips
     them there too. A no-op once done, and for an iterator without workers."""
     if getattr(iterator, "_worker_pids_set", False):
-        signal_handling._remove_worker_pids(id(iterator))
+        signal_handling._remove_worker_pids(id(iterator))  # type: ignore[attr-defined]
         iterator._worker_pids_set = False
 
 
