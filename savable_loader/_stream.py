@@ -149,7 +149,7 @@ class Stream:
         try:
             with _torch_compat.deferred_worker_death():
                 iterator = DataLoader.__iter__(loader)
-            _torch_compat.unwatch_workers(iterator)  # NOTE [ Worker deaths are found where ... ]
+            _torch_compat.unwatch_workers(iterator)  # see the NOTE on worker deaths above
             _torch_compat.unblock_done_event(iterator)
             return iterator
         except RuntimeError as error:
