@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,9 +99,9 @@ def latent_s3(latency: Latency) -> Iterator[str]:
         werkzeug.setLevel(level)
 
 
-def upload(root: Path, endpoint: str, bucket: str) -> None:
+def upload(root: Path, endpoint: str, bucket: str, *, threads: int = 1) -> None:
     """Creates ``bucket`` on ``endpoint`` and uploads every file under ``root``, keyed by
-    its path relative to ``root``."""
+    its path relative to ``root``, ``threads`` at a time."""
     import boto3
 
     client = boto3.client(
@@ -111,8 +112,13 @@ def upload(root: Path, endpoint: str, bucket: str) -> None:
         region_name="us-east-1",
     )
     client.create_bucket(Bucket=bucket)
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+
+    def put(path: Path) -> None:
         client.put_object(Bucket=bucket, Key=str(path.relative_to(root)), Body=path.read_bytes())
+
+    paths = sorted(p for p in root.rglob("*") if p.is_file())
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(put, paths))
 
 
 def _file(index: int, lines: int) -> bytes:

@@ -27,6 +27,7 @@ from savable_loader import (
     WorkerContext,
 )
 from savable_loader.datasets import TableSource, retry, table_read
+from savable_loader.datasets.listing import LIST_AFTER
 
 pytestmark = [S3FS_WARNINGS]
 
@@ -304,7 +305,8 @@ def test_close_cache_stops_the_threads_and_reading_again_restarts_them(tmp_path:
 
 
 class _FlakyTables(MemoryFileSystem):
-    """In-memory files whose opens fail, with a transient error, on chosen open counts."""
+    """In-memory files whose opens (and whole reads, ``cat_file``) fail, with a transient
+    error, on chosen open counts."""
 
     protocol = "flakytable"
     store: ClassVar[dict[str, Any]] = {}
@@ -319,11 +321,18 @@ class _FlakyTables(MemoryFileSystem):
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if mode == "rb":
-            with self.lock:
-                self.opens[0] += 1
-                if self.opens[0] in self.failing:
-                    raise ConnectionResetError(104, "Connection reset by peer")
+            self._count_open()
         return super()._open(path, mode, **kwargs)
+
+    def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> Any:
+        self._count_open()
+        return super().cat_file(path, start, end, **kwargs)
+
+    def _count_open(self) -> None:
+        with self.lock:
+            self.opens[0] += 1
+            if self.opens[0] in self.failing:
+                raise ConnectionResetError(104, "Connection reset by peer")
 
 
 fsspec.register_implementation("flakytable", _FlakyTables, clobber=True)
@@ -417,6 +426,95 @@ def test_s3_table_and_files_through_the_cache(s3: S3, tmp_path: Path) -> None:
     # client (about 0.2 s to build) is then built once.
     check_stage(lambda: source, num_workers=0, num_points=3, collate_fn=_collate)
     source.close_cache()
+
+
+class _CountedInfo:
+    """A filesystem whose ``info()`` calls are counted (the cache's asks for a signature)."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+        self.infos = 0
+
+    def info(self, path: str, **kwargs: Any) -> Any:
+        self.infos += 1
+        return self.fs.info(path, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fs, name)
+
+
+def _listed_table(folder: str, n: int) -> str:
+    fs = fsspec.filesystem("memory")
+    for i in range(n):
+        fs.pipe_file(f"/{folder}/files/{i}.bin", _payload(i))
+    rows = [{"id": i, "image": f"files/{i}.bin"} for i in range(n)]
+    fs.pipe_file(f"/{folder}/rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    return f"memory://{folder}/rows.jsonl"
+
+
+def _wait_for_listing(source: TableSource, url: str) -> None:
+    deadline = time.monotonic() + 10
+    while source.folder_listings().known(url) is None:
+        assert time.monotonic() < deadline, "the folder was never listed"
+        time.sleep(0.01)
+
+
+def test_listed_folders_spare_the_signature_request_and_notice_a_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = LIST_AFTER + 8
+    url = _listed_table("listed", n)
+    source = TableSource(url, files="image", cache_dir=tmp_path, list_folders=True, threads=0)
+    counted = _CountedInfo(source.filesystem(url))
+    monkeypatch.setattr(source, "filesystem", lambda _: counted)
+    cursor = source.cursor(ONE)
+    first = [_ident(next(cursor)) for _ in range(LIST_AFTER)]
+    assert counted.infos == LIST_AFTER  # asked until the folder's turn to be listed
+    _wait_for_listing(source, "memory://listed/files/0.bin")
+    changed = b"replaced after the listing"
+    fsspec.filesystem("memory").pipe_file(f"/listed/files/{LIST_AFTER}.bin", changed)
+    rest = [_ident(item) for item in cursor]
+    expected = [(i, _payload(i)) for i in range(n)]
+    expected[LIST_AFTER] = (LIST_AFTER, changed)
+    assert first + rest == expected
+    assert counted.infos == LIST_AFTER + 1  # only the changed file's size was asked
+    stats = source.cache_stats()
+    assert stats is not None
+    assert (stats.misses, stats.hits) == (n + 1, 0)
+    source.close_cache()
+    fsspec.filesystem("memory").rm("/listed", recursive=True)
+
+
+def test_s3_an_entry_cached_without_listings_is_reused_with_them(s3: S3, tmp_path: Path) -> None:
+    n = LIST_AFTER + 4
+    for i in range(n):
+        s3.put(f"listed/files/{i}.bin", _payload(i))
+    rows = [{"id": i, "image": f"files/{i}.bin"} for i in range(n)]
+    url = s3.put("listed/rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+    def build(listed: bool) -> TableSource:
+        return TableSource(
+            url,
+            files="image",
+            threads=0,
+            list_folders=listed,
+            storage_options=s3.options(),
+            cache_dir=tmp_path,
+        )
+
+    plain = build(False)
+    items = [_ident(item) for item in plain.cursor(ONE)]
+    assert items == [(i, _payload(i)) for i in range(n)]
+    plain.close_cache()
+    listed = build(True)
+    cursor = listed.cursor(ONE)
+    again = [_ident(next(cursor)) for _ in range(LIST_AFTER)]
+    _wait_for_listing(listed, s3.url("listed/files/0.bin"))
+    assert again + [_ident(item) for item in cursor] == items
+    stats = listed.cache_stats()
+    assert stats is not None  # a listed signature equals the one info() gave: all hits
+    assert (stats.misses, stats.hits) == (0, n + 1)
+    listed.close_cache()
 
 
 # -- bad input ------------------------------------------------------------------------------

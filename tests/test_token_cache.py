@@ -82,7 +82,11 @@ def _epochs(source: TokenSource, epochs: int = 2) -> list[list[int]]:
 
 
 def _batches(source: TokenSource, num_workers: int) -> list[list[list[int]]]:
-    with SavableDataLoader(source, batch_size=2, num_workers=num_workers) as loader:
+    """Two epochs' batches. Workers persist across them: each starts its S3 clients once
+    (a new loader still starts new workers, which read the node's cache anew)."""
+    with SavableDataLoader(
+        source, batch_size=2, num_workers=num_workers, persistent_workers=num_workers > 0
+    ) as loader:
         return [batch.tolist() for _ in range(2) for batch in loader]
 
 

@@ -9,9 +9,13 @@ size and ETag or modification time that fsspec's ``info()`` gave, and the URL), 
 ``<key>.lock``, held shared by the entry's users, and ``<key>.download``, held exclusively by
 its one writer.
 
-* An entry is valid when its sidecar exists and its size and ETag/mtime equal what ``info()``
-  says now; a later open, in this process or another, after a restart too, reads it without
-  downloading. A changed remote file is downloaded again.
+* An entry is valid when its sidecar exists and its size and ETag/mtime (its signature)
+  equal what ``info()`` says now; a later open, in this process or another, after a restart
+  too, reads it without downloading. A changed remote file is downloaded again. A caller
+  that already knows the signature from a listing (``TableSource`` with ``list_folders``:
+  NOTE [ Listing folders ] in ``listing.py``) passes it instead of asking ``info()``; if
+  the download's size then differs from it, ``info()`` is asked and the file downloaded
+  again.
 * Writes are atomic: the bytes go to a temp file in the same folder, are fsynced and renamed
   over ``<key>.data``; the sidecar is removed before and written (temp file, rename) after, so a
   sidecar never describes a partial file. A download killed midway leaves only a ``.tmp-*``
@@ -75,7 +79,7 @@ from fsspec.core import get_compression
 
 from .held_file import HeldFile
 
-__all__ = ["DEFAULT_CACHE_LIMIT", "CacheStats", "FileCache", "cacheable"]
+__all__ = ["DEFAULT_CACHE_LIMIT", "CacheStats", "FileCache", "cacheable", "signature_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +127,10 @@ class CacheStats:
     wait_seconds: float = 0.0
 
 
-def _signature(info: dict[str, Any]) -> dict[str, Any]:
-    """The remote size and ETag or mtime, as the sidecar records them."""
+def signature_of(info: dict[str, Any]) -> dict[str, Any]:
+    """What an entry is checked against (NOTE [ File cache ]): the remote size and ETag or
+    mtime, as the sidecar records them, from fsspec's ``info()`` or a listing's entry for
+    the file (which agree on S3; where they do not, an entry is downloaded again)."""
     etag = info.get("ETag", info.get("etag"))
     mtime = next(
         (info[k] for k in ("mtime", "LastModified", "last_modified", "created") if k in info),
@@ -135,6 +141,10 @@ def _signature(info: dict[str, Any]) -> dict[str, Any]:
         "etag": None if etag is None else str(etag),
         "mtime": None if mtime is None else str(mtime),
     }
+
+
+class _Changed(ConnectionError):
+    """The remote file is not what its signature says: replaced since it was taken."""
 
 
 @contextlib.contextmanager
@@ -194,11 +204,15 @@ class FileCache:
 
     # -- reading -------------------------------------------------------------------------
 
-    def open(self, url: str, fs: Any, *, ahead: bool = False) -> IO[bytes]:
+    def open(
+        self, url: str, fs: Any, *, ahead: bool = False, known: dict[str, Any] | None = None
+    ) -> IO[bytes]:
         """``url`` opened from the cache, downloaded first unless a valid entry holds it;
         decompressed by the URL's extension. Closing the file releases the entry. An
         open made ``ahead`` of the reader (a ``TableSource`` fetch thread) is not counted
-        in ``wait_seconds``: the reader's wait for it is.
+        in ``wait_seconds``: the reader's wait for it is. ``known``: the file's signature
+        from a listing (:func:`signature_of`), used instead of asking ``info()``, which is
+        asked after all if the download disagrees with it (NOTE [ File cache ]).
 
         Raises:
             Exception: What ``fs`` raised (the caller turns it into a StorageError and
@@ -207,14 +221,24 @@ class FileCache:
         started = time.perf_counter()
         try:
             with self._mutex:
-                signature = self._checked.pop(url, None)
-            if signature is None:
-                signature = _signature(fs.info(url))
-            if signature["size"] > self.limit:
-                self._count(misses=1)
-                logger.debug("%s: %d bytes, over the cache limit: streamed", url, signature["size"])
-                return fs.open(url, "rb", compression="infer")  # type: ignore[no-any-return]
-            fd, downloaded = self._hold(url, fs, signature)
+                checked = self._checked.pop(url, None)
+            signature = checked or known or signature_of(fs.info(url))
+            listed = checked is None and known is not None
+            while True:
+                if signature["size"] > self.limit:
+                    self._count(misses=1)
+                    size = signature["size"]
+                    logger.debug("%s: %d bytes, over the cache limit: streamed", url, size)
+                    return fs.open(url, "rb", compression="infer")  # type: ignore[no-any-return]
+                try:
+                    fd, downloaded = self._hold(url, fs, signature)
+                    break
+                except _Changed:
+                    if not listed:
+                        raise
+                    listed = False  # replaced since the listing: ask the store
+                    logger.debug("%s: changed since it was listed", url)
+                    signature = signature_of(fs.info(url))
         finally:
             waited = 0.0 if ahead else time.perf_counter() - started
             with self._mutex:
@@ -286,7 +310,7 @@ class FileCache:
                     self._download(url, fs, signature, prefetch=prefetch)
                     downloaded = True
             if not self._valid(url, signature):
-                raise ConnectionError(f"{url} changed while it was being cached")
+                raise _Changed(f"{url} changed while it was being cached")
         except BaseException:
             os.close(fd)
             raise
@@ -320,7 +344,7 @@ class FileCache:
                 os.fsync(out.fileno())
                 got = os.fstat(out.fileno()).st_size
             if got != signature["size"]:
-                raise ConnectionError(
+                raise _Changed(
                     f"downloaded {got} bytes of {url}, whose size is {signature['size']}"
                 )
             sidecar.unlink(missing_ok=True)
@@ -444,7 +468,7 @@ class FileCache:
                     self._wanted.discard(url)
 
     def _fetch(self, url: str, fs: Any) -> None:
-        signature = _signature(fs.info(url))
+        signature = signature_of(fs.info(url))
         if signature["size"] > self.limit:
             return
         fd, _ = self._hold(url, fs, signature, prefetch=True)

@@ -19,7 +19,9 @@ counts, in the same :class:`CacheStats` fields the cache fills:
   ``table.py``), through :meth:`CountedReads.add_wait`.
 
 ``TokenSource`` without a cache reads a window with one range request (``cat_file``),
-not through an open: it adds each request as a miss, with its bytes and its time.
+not through an open: it adds each request as a miss, with its bytes and its time. So
+does ``TableSource`` for a file it reads whole and need not decompress
+(:meth:`CountedReads.cat`): one request, where an open asks the store for the size first.
 ``hits`` and ``prefetched`` stay 0. Local files are opened as they are and counted
 nowhere. The counters are this process's, as the cache's are: ``FileAccess`` keeps one
 :class:`CountedReads` per process id, so a forked worker starts its own.
@@ -90,6 +92,22 @@ class CountedReads:
             raise
         # A decompressor does not close the file it reads: the HeldFile closes both.
         return HeldFile((decompressed, counted), lambda: None)  # type: ignore[return-value]
+
+    def cat(self, fs: Any, url: str, *, ahead: bool = False) -> bytes:
+        """``url``, a remote file, read whole with one request (``fs.cat_file``); counted
+        as an open, with its bytes and (unless ``ahead``) its time.
+
+        Raises:
+            Exception: What ``fs`` raised (the caller turns it into a StorageError and
+                retries it); the request counts as a miss all the same.
+        """
+        started, data = time.perf_counter(), b""
+        try:
+            data = fs.cat_file(url)
+            return data  # type: ignore[no-any-return]
+        finally:
+            waited = 0.0 if ahead else time.perf_counter() - started
+            self.add(bytes_downloaded=len(data), misses=1, wait_seconds=waited)
 
     def add_wait(self, seconds: float) -> None:
         """Counts ``seconds`` a reader waited for files fetched ahead for it."""

@@ -108,7 +108,9 @@ class FileAccess:
         self._cache = None
         self._counted = {}
 
-    def open(self, url: str, *, ahead: bool = False) -> IO[bytes]:
+    def open(
+        self, url: str, *, ahead: bool = False, known: dict[str, Any] | None = None
+    ) -> IO[bytes]:
         """Opens ``url`` for reading, decompressed by its extension.
 
         One filesystem per protocol and process serves every file of this source, so
@@ -122,6 +124,8 @@ class FileAccess:
             url: The file.
             ahead: The open is made ahead of the reader (``TableSource``'s fetch
                 threads): its time is not the reader's wait and is not counted.
+            known: With a cache, the file's signature from a listing (``signature_of``
+                in ``cache.py``), so the cache does not ask the store for it.
         """
         if "::" in url:
             return fsspec.open(url, "rb", compression="infer", **self.storage_options).open()  # type: ignore[no-any-return]
@@ -129,7 +133,7 @@ class FileAccess:
             return self.filesystem(url).open(url, "rb", compression="infer")  # type: ignore[no-any-return]
         cache = self.file_cache()
         if cache is not None:
-            return cache.open(url, self.filesystem(url), ahead=ahead)
+            return cache.open(url, self.filesystem(url), ahead=ahead, known=known)
         return self.counted_reads().open(self.filesystem(url), url, ahead=ahead)
 
     def read_retrying(self, url: str, read: Callable[[], R]) -> R:

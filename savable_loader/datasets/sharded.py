@@ -18,7 +18,10 @@ NOTE [ Counting samples ]
 ``split="samples"`` needs the number of samples of every file. The source counts them
 the first time a layout with more than one stream needs them (the loader asks when it
 is built, in the main process, so its workers inherit the counts), reading every file
-once in a few threads: lines for JSON lines, member headers for tar. The counts stay with
+once in a few threads, through the cache when there is one (so the workers then find the
+files there): lines for JSON lines, member headers for tar (a local file, or a remote
+one's copy in the cache, is read header to header, seeking over the members' data; a
+remote file read in place, or a compressed one, is read through). The counts stay with
 the stage object (and its pickles) for the life of the process. Files that change after
 they were counted are an error when read, not a silent shift.
 

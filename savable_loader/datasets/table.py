@@ -35,14 +35,15 @@ hits and misses, not their time, which passes while the reader works.
 from __future__ import annotations
 
 import bisect
-import collections
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
+
+import fsspec
+from fsspec.core import get_compression
 
 from ..config import WorkerContext
 from ..errors import ConfigError
@@ -50,15 +51,14 @@ from .cache import cacheable
 from .file_access import FileAccess
 from .files import Urls, expand_urls, storage_errors
 from .indexed import Even, IndexedCursor, IndexedDataset
+from .listing import FolderListings
 from .retry import RetryPolicy
+from .table_fetch import Fetcher
 from .table_read import Columns, Format, concatenate, infer_format, parse_table
 
 __all__ = ["TableSource"]
 
 logger = logging.getLogger(__name__)
-
-#: Seconds a fetch thread waits for work before it exits (NOTE [ Fetching files ahead ]).
-_IDLE_SECONDS = 1.0
 
 
 class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
@@ -96,6 +96,11 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
             0: every file is read in the reading thread, one after the other.
         prefetch: Rows ahead of the one being read whose files are fetched, with
             ``threads`` > 0.
+        list_folders: With ``cache_dir``, take the remote files' sizes and ETags from a
+            listing of their folders, made once per process in the background (on S3 one
+            request per 1,000 keys of the folder), instead of asking the store before
+            each file (a request per file): for folders that hold mostly the table's
+            files (NOTE [ Listing folders ] in ``listing.py``). Not part of ``config()``.
         retry: How reads are retried after transient storage errors (NOTE [ Retries ]
             in ``retry.py``); None: ``retry.DEFAULT_POLICY``. Not part of ``config()``.
         storage_options: Passed to fsspec (credentials, endpoint...), for the table too;
@@ -131,6 +136,7 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
         format: Format | None = None,
         threads: int = 8,
         prefetch: int = 16,
+        list_folders: bool = False,
         retry: RetryPolicy | None = None,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -141,8 +147,9 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
             raise ConfigError(
                 f"TableSource files must be a column name or a list of them, got {files!r}"
             )
-        if not isinstance(shuffle, bool):
-            raise ConfigError(f"TableSource shuffle must be a bool, got {shuffle!r}")
+        for flag, given in (("shuffle", shuffle), ("list_folders", list_folders)):
+            if not isinstance(given, bool):
+                raise ConfigError(f"TableSource {flag} must be a bool, got {given!r}")
         for count, value in (("seed", seed), ("threads", threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"TableSource {count} must be an int >= 0, got {value!r}")
@@ -162,7 +169,9 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
         self.format: Format = formats.pop()
         self.files = list(dict.fromkeys(names))
         self.threads = threads
-        self._fetcher: tuple[int, _Fetcher] | None = None
+        self.list_folders = list_folders
+        self._fetcher: tuple[int, Fetcher] | None = None
+        self._listings: tuple[int, FolderListings] | None = None
         parts = [(url, *self._parse(url)) for url in self.tables]
         columns = concatenate(self.format, parts)
         for name in self.files:
@@ -210,22 +219,44 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
         Raises:
             StorageError: The file cannot be read; names the URL.
         """
-        return self.read_retrying(url, lambda: _read_whole(self, url))
+        return self.read_retrying(url, lambda: _read_whole(self, url, known=self.known(url)))
 
-    def fetcher(self) -> _Fetcher | None:
+    def known(self, url: str) -> dict[str, Any] | None:
+        """``url``'s signature from its folder's listing, with ``list_folders`` and a
+        cache (NOTE [ Listing folders ] in ``listing.py``); else None."""
+        if not self.list_folders or self.cache_dir is None or not cacheable(url):
+            return None
+        return self.folder_listings().known(url)
+
+    def folder_listings(self) -> FolderListings:
+        """This process's listings of the files' folders, built when first needed in
+        every process (NOTE [ Listing folders ] in ``listing.py``)."""
+        if self._listings is None or self._listings[0] != os.getpid():
+            options = {
+                **self.storage_options,
+                "use_listings_cache": False,  # NOTE [ Listing folders ]
+                "skip_instance_cache": True,
+            }
+            listings = FolderListings(lambda folder: fsspec.url_to_fs(folder, **options)[0])
+            self._listings = (os.getpid(), listings)
+        return self._listings[1]
+
+    def fetcher(self) -> Fetcher | None:
         """This process's fetch threads (None with ``threads=0``), built when first
         needed in every process (NOTE [ Fetching files ahead ])."""
         if not self.threads:
             return None
         if self._fetcher is None or self._fetcher[0] != os.getpid():
             self.file_cache()  # built here, not by two fetch threads at once
-            fetch = _Fetcher(self.threads, self._fetch_once)
+            if self.list_folders:
+                self.folder_listings()
+            fetch = Fetcher(self.threads, self._fetch_once)
             self._fetcher = (os.getpid(), fetch)
         return self._fetcher[1]
 
     def _fetch_once(self, url: str) -> bytes:
         with storage_errors(url):
-            return _read_whole(self, url, ahead=True)
+            return _read_whole(self, url, ahead=True, known=self.known(url))
 
     def close_cache(self) -> None:
         """Stops this process's fetch threads (their pending fetches are cancelled), then
@@ -233,16 +264,27 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
         if self._fetcher is not None and self._fetcher[0] == os.getpid():
             fetch, self._fetcher = self._fetcher[1], None
             fetch.close()
+        if self._listings is not None and self._listings[0] == os.getpid():
+            listings, self._listings = self._listings[1], None
+            listings.close()
         super().close_cache()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_fetcher"] = None  # threads are per process
+        state["_listings"] = None
         return state
 
 
-def _read_whole(access: FileAccess, url: str, *, ahead: bool = False) -> bytes:
-    with access.open(url, ahead=ahead) as file:
+def _read_whole(
+    access: FileAccess, url: str, *, ahead: bool = False, known: dict[str, Any] | None = None
+) -> bytes:
+    """The bytes of ``url``, decompressed by its extension; a remote file read without a
+    cache and without decompression with one request (NOTE [ Direct reads ] in
+    ``counted_reads.py``)."""
+    if access.cache_dir is None and cacheable(url) and get_compression(url, "infer") is None:
+        return access.counted_reads().cat(access.filesystem(url), url, ahead=ahead)
+    with access.open(url, ahead=ahead, known=known) as file:
         return file.read()
 
 
@@ -368,63 +410,4 @@ class _TableCursor(IndexedCursor[dict[str, Any]]):
         self.planned = (-1, 0, 0)
         ahead, self.ahead = self.ahead, {}
         for future in ahead.values():
-            future.cancel()
-
-
-class _Fetcher:
-    """Up to ``threads`` daemon threads that run ``fetch(url)`` for the requests handed to
-    :meth:`submit`, in order (NOTE [ Fetching files ahead ])."""
-
-    def __init__(self, threads: int, fetch: Callable[[str], bytes]) -> None:
-        self.threads = threads
-        self.fetch = fetch
-        self.jobs: collections.deque[tuple[str, Future[bytes]]] = collections.deque()
-        self.lock = threading.Lock()
-        self.wake = threading.Condition(self.lock)
-        self.running = 0
-        self.waiting = 0
-        self.closed = False
-
-    def submit(self, url: str) -> Future[bytes]:
-        """A future of ``fetch(url)``; cancelled if the fetcher closes before it runs."""
-        future: Future[bytes] = Future()
-        with self.lock:
-            if self.closed:
-                future.cancel()
-                return future
-            self.jobs.append((url, future))
-            self.wake.notify()
-            if len(self.jobs) > self.waiting and self.running < self.threads:
-                self.running += 1
-                thread = threading.Thread(target=self._work, name="table-fetch", daemon=True)
-                thread.start()
-        return future
-
-    def _work(self) -> None:
-        while True:
-            with self.lock:
-                while not self.jobs and not self.closed:
-                    self.waiting += 1
-                    woken = self.wake.wait(_IDLE_SECONDS)
-                    self.waiting -= 1
-                    if not woken and not self.jobs:
-                        break
-                if self.closed or not self.jobs:
-                    self.running -= 1
-                    return
-                url, future = self.jobs.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self.fetch(url))
-            except BaseException as error:
-                future.set_exception(error)
-
-    def close(self) -> None:
-        """Cancels the requests not started and lets the threads exit; idempotent."""
-        with self.lock:
-            self.closed = True
-            jobs, self.jobs = self.jobs, collections.deque()
-            self.wake.notify_all()
-        for _, future in jobs:
             future.cancel()

@@ -28,6 +28,7 @@ import logging
 import tarfile
 from typing import IO, Any
 
+from fsspec.core import get_compression
 from pydantic import Field
 
 from ..config import WorkerContext
@@ -83,10 +84,16 @@ class TarSource(ShardedSource[dict[str, Any]]):
 
     def count_items(self, file: IO[bytes], url: str) -> int:
         """The samples of the shard, from its member headers (NOTE [ Counting samples ]
-        in ``sharded.py``)."""
+        in ``sharded.py``): seeking from header to header in a local file read as stored
+        (a path, or a remote file's copy in the cache), reading through the members
+        otherwise (a seek there would be a request, or a decompression)."""
         count, key = 0, None
+        seek = get_compression(url, "infer") is None and _has_fileno(file)
         try:
-            tar = tarfile.open(fileobj=file, mode="r|")  # noqa: SIM115 (closed below)
+            if seek:
+                tar = tarfile.open(fileobj=file, mode="r:")  # noqa: SIM115 (closed below)
+            else:
+                tar = tarfile.open(fileobj=file, mode="r|")  # noqa: SIM115 (closed below)
         except tarfile.ReadError as exc:
             if str(exc) == "empty file":
                 return 0
@@ -98,6 +105,15 @@ class TarSource(ShardedSource[dict[str, Any]]):
                 if member.isreg() and name and name != key:
                     count, key = count + 1, name
         return count
+
+
+def _has_fileno(file: IO[bytes]) -> bool:
+    """Whether ``file`` is an operating system's file (local, so seeking in it is free)."""
+    try:
+        file.fileno()
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both
+        return False
+    return True
 
 
 class TarCursor(ShardCursor[dict[str, Any]]):
