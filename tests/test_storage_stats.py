@@ -26,8 +26,7 @@ from stage_harness import check_stage
 from test_tar_source import _shard
 
 from savable_loader import SavableDataLoader, WorkerContext
-from savable_loader.datasets import TableSource, TokenSource
-from savable_loader.datasets.cache import CacheStats
+from savable_loader.datasets import CacheStats, TableSource, TokenSource
 from savable_loader.datasets.file_access import storage_stats
 from savable_loader.datasets.jsonl import JsonLinesSource
 from savable_loader.datasets.tar import TarSource

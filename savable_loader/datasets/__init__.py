@@ -13,7 +13,6 @@ contract ] in ``cursor.py``).
 from .adapt import as_stage
 from .base import SavableDataset
 from .blend import Blend
-from .cache import CacheStats
 from .cursor import Cursor, StageState, TransformCursor
 from .filter import Filter
 from .indexed import IndexedDataset
@@ -25,6 +24,7 @@ from .retry import RetryPolicy
 from .shuffle import Shuffle
 from .stage import Stage
 from .stateful import StatefulDataset, from_stateful
+from .storage_stats import CacheStats
 from .table import TableSource
 from .tar import TarSource
 from .tokens import TokenSource

@@ -57,7 +57,6 @@ Near 500 lines: the cache, its locks and its prefetch threads share held locks a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -78,8 +77,9 @@ from fsspec.compression import compr
 from fsspec.core import get_compression
 
 from .held_file import HeldFile
+from .storage_stats import CacheStats
 
-__all__ = ["DEFAULT_CACHE_LIMIT", "CacheStats", "FileCache", "cacheable", "signature_of"]
+__all__ = ["DEFAULT_CACHE_LIMIT", "FileCache", "cacheable", "signature_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,34 +97,6 @@ def cacheable(url: str) -> bool:
     if "::" in url or "://" not in url:
         return False
     return url.partition("://")[0] not in _LOCAL
-
-
-@dataclasses.dataclass
-class CacheStats:
-    """What this process's reads of remote files cost: with a cache, what the cache did
-    (NOTE [ File cache ]); without one, the direct reads (NOTE [ Direct reads ] in
-    ``counted_reads.py``).
-
-    Attributes:
-        bytes_downloaded: Bytes downloaded into the cache, prefetched ones too; without
-            a cache, bytes read from the store (as stored: compressed).
-        hits: Opens served by a valid entry, downloaded by another open or a prefetch;
-            0 without a cache.
-        misses: Opens that had to download (or stream a file larger than the limit);
-            without a cache, every open of a remote file.
-        prefetched: Files downloaded ahead by the prefetch threads; 0 without a cache.
-        wait_seconds: Seconds the readers waited on storage: with a cache, in its opens
-            (or on a download in progress); without, in the opens, reads and seeks of
-            the remote files. Neither counts the threads that read ahead (the cache's
-            prefetch, ``TableSource``'s fetch threads); a ``TableSource``'s reader's
-            wait for its fetch threads counts instead.
-    """
-
-    bytes_downloaded: int = 0
-    hits: int = 0
-    misses: int = 0
-    prefetched: int = 0
-    wait_seconds: float = 0.0
 
 
 def signature_of(info: dict[str, Any]) -> dict[str, Any]:

@@ -33,26 +33,15 @@ import dataclasses
 import io
 import threading
 import time
-from collections.abc import Iterable
 from typing import IO, Any, cast
 
 from fsspec.compression import compr
 from fsspec.core import get_compression
 
-from .cache import CacheStats
 from .held_file import HeldFile
+from .storage_stats import CacheStats
 
-__all__ = ["CountedFile", "CountedReads", "summed"]
-
-
-def summed(parts: Iterable[CacheStats]) -> CacheStats | None:
-    """The field-by-field sum of ``parts``, a new object; None when there are none."""
-    total: CacheStats | None = None
-    for stats in parts:
-        total = total or CacheStats()
-        for field in dataclasses.fields(CacheStats):
-            setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
-    return total
+__all__ = ["CountedFile", "CountedReads"]
 
 
 class CountedReads:

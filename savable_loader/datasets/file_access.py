@@ -31,11 +31,12 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import ConfigError
-from .cache import DEFAULT_CACHE_LIMIT, CacheStats, FileCache, cacheable
-from .counted_reads import CountedReads, summed
+from .cache import DEFAULT_CACHE_LIMIT, FileCache, cacheable
+from .counted_reads import CountedReads
 from .files import storage_errors
 from .retry import RetryPolicy, retrying
 from .stage import Stage
+from .storage_stats import CacheStats, summed
 
 __all__ = ["FileAccess", "storage_stats"]
 
