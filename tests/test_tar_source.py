@@ -138,6 +138,51 @@ def test_an_empty_file_has_no_samples(tmp_path: Path) -> None:
     ]
 
 
+class _CountedFile(io.FileIO):
+    """A local file that counts the bytes read from it."""
+
+    read_bytes = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = super().read(size)
+        self.read_bytes += len(data or b"")
+        return data or b""
+
+
+def test_local_shards_are_counted_from_their_headers_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    long_key = "deep/" * 30 + "sample"
+    big = [_member(f"s{i:03d}.{ext}", bytes([i]) * 20_000) for i in range(40) for ext in "ab"]
+    shards = {
+        "big.tar": (_tar(big), 40),
+        "gnu.tar": (_tar(_odd_members(long_key), format=tarfile.GNU_FORMAT), 3),
+        "pax.tar": (_tar(_odd_members(long_key), format=tarfile.PAX_FORMAT), 3),
+        "empty.tar": (b"", 0),
+        "none.tar": (_tar([]), 0),
+    }
+    for name, (body, _) in shards.items():
+        (tmp_path / name).write_bytes(body)
+    source = TarSource(str(tmp_path / "*.tar"))
+    opened: dict[str, _CountedFile] = {}
+
+    def counted_open(url: str) -> _CountedFile:
+        opened[url] = _CountedFile(url)
+        return opened[url]
+
+    monkeypatch.setattr(source, "open", counted_open)
+    counts = dict(zip(source.urls, source.sample_counts(), strict=True))
+    expected = {str(tmp_path / name): count for name, (_, count) in shards.items()}
+    assert counts == expected
+    # The same counts as reading each shard through (a file without a fileno: remote).
+    read_through = {
+        url: source.count_items(io.BytesIO(Path(url).read_bytes()), url) for url in source.urls
+    }
+    assert read_through == expected
+    # A local file is read header to header: the members' 1.6 MB are seeked over.
+    assert opened[str(tmp_path / "big.tar")].read_bytes < len(shards["big.tar"][0]) // 20
+
+
 # Exact resume through the loader.
 
 
