@@ -247,9 +247,35 @@ def test_table_source_counts_the_reader_s_wait_once(
     assert isinstance(stats, CacheStats)
     assert (stats.misses, stats.hits, stats.bytes_downloaded) == (ROWS + 1, 0, stored)
     waited = stats.wait_seconds - built.wait_seconds
-    # Every request waits LATENCY: the reader waited for the first row's file at least
-    # (its open asks for its size, then its bytes).
+    # Every request waits LATENCY: the reader waited for its rows' files, a request each
+    # without the cache, two through it (its size, then its bytes), fetched 4 at a time
+    # with threads (so for 4 rounds at least).
     assert waited >= 2 * LATENCY
-    # Counted once: the fetch threads' time (ROWS files of two requests, 4 at a time) is
-    # not added to the reader's wait, which lasts no longer than the reading.
+    # Counted once: the fetch threads' time (ROWS files, 4 at a time) is not added to the
+    # reader's wait, which lasts no longer than the reading.
     assert waited <= elapsed
+
+
+# TableSource: the requests a file costs, as the store answers them.
+
+
+def _through(s3: S3, proxy: FaultProxy) -> dict[str, Any]:
+    return {**s3.options(), "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION}}
+
+
+def test_table_source_reads_a_remote_file_whole_with_one_request(s3: S3, proxy: FaultProxy) -> None:
+    bodies = [bytes([r]) * (1000 + r) for r in range(ROWS)] + [b""]
+    for row, body in enumerate(bodies):
+        s3.put(f"whole/{row}.bin", body)
+    rows = "".join(json.dumps({"file": f"{row}.bin"}) + "\n" for row in range(len(bodies)))
+    url = s3.put("whole/rows.jsonl", rows.encode())
+    source = TableSource(url, files="file", threads=0, storage_options=_through(s3, proxy))
+    before = proxy.stats.requests
+    assert [item["file"] for item in _stream(source)] == bodies
+    # A GET each, no size asked before it; the empty file, whose range the store cannot
+    # satisfy, then its size.
+    assert proxy.stats.requests - before == ROWS + 2
+    stats = source.cache_stats()
+    source.close_cache()
+    assert stats is not None
+    assert (stats.misses, stats.bytes_downloaded) == (ROWS + 3, sum(map(len, bodies)) + len(rows))

@@ -21,7 +21,8 @@ counts, in the same :class:`CacheStats` fields the cache fills:
 ``TokenSource`` without a cache reads a window with one range request (``cat_file``),
 not through an open: it adds each request as a miss, with its bytes and its time. So
 does ``TableSource`` for a file it reads whole and need not decompress
-(:meth:`CountedReads.cat`): one request, where an open asks the store for the size first.
+(:meth:`CountedReads.cat`): one request, a byte range from 0 to the end, where an open,
+or a ``cat_file`` of the whole file on S3, asks the store for the size first.
 ``hits`` and ``prefetched`` stay 0. Local files are opened as they are and counted
 nowhere. The counters are this process's, as the cache's are: ``FileAccess`` keeps one
 :class:`CountedReads` per process id, so a forked worker starts its own.
@@ -30,6 +31,7 @@ nowhere. The counters are this process's, as the cache's are: ``FileAccess`` kee
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import threading
 import time
@@ -83,20 +85,30 @@ class CountedReads:
         return HeldFile((decompressed, counted), lambda: None)  # type: ignore[return-value]
 
     def cat(self, fs: Any, url: str, *, ahead: bool = False) -> bytes:
-        """``url``, a remote file, read whole with one request (``fs.cat_file``); counted
-        as an open, with its bytes and (unless ``ahead``) its time.
+        """``url``, a remote file, read whole with one request: a byte range from 0 to its
+        end (a plain ``cat_file`` asks the size first on S3). A range no store can satisfy
+        (``EINVAL``) is an empty file's when the store says its size is 0 (a second
+        request). Each request is counted as an open, with its bytes and (unless
+        ``ahead``) its time.
 
         Raises:
             Exception: What ``fs`` raised (the caller turns it into a StorageError and
                 retries it); the request counts as a miss all the same.
         """
-        started, data = time.perf_counter(), b""
+        started, data, requests = time.perf_counter(), b"", 1
         try:
-            data = fs.cat_file(url)
-            return data  # type: ignore[no-any-return]
+            try:
+                data = fs.cat_file(url, start=0)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                requests = 2
+                if fs.info(url).get("size") != 0:
+                    raise
+            return data
         finally:
             waited = 0.0 if ahead else time.perf_counter() - started
-            self.add(bytes_downloaded=len(data), misses=1, wait_seconds=waited)
+            self.add(bytes_downloaded=len(data), misses=requests, wait_seconds=waited)
 
     def add_wait(self, seconds: float) -> None:
         """Counts ``seconds`` a reader waited for files fetched ahead for it."""
