@@ -29,6 +29,7 @@ from savable_loader import SavableDataLoader, WorkerContext
 from savable_loader.datasets import CacheStats, TableSource, TokenSource
 from savable_loader.datasets.file_access import storage_stats
 from savable_loader.datasets.jsonl import JsonLinesSource
+from savable_loader.datasets.listing import LIST_AFTER
 from savable_loader.datasets.tar import TarSource
 from savable_loader.testing.proxy import FaultProxy
 
@@ -279,3 +280,51 @@ def test_table_source_reads_a_remote_file_whole_with_one_request(s3: S3, proxy: 
     source.close_cache()
     assert stats is not None
     assert (stats.misses, stats.bytes_downloaded) == (ROWS + 3, sum(map(len, bodies)) + len(rows))
+
+
+def _body(i: int, version: int = 0) -> bytes:
+    return f"file {i} version {version}".encode() * (1 + version)
+
+
+def test_listed_folders_take_one_request_per_file_and_notice_a_replaced_one(
+    s3: S3, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    n = LIST_AFTER + 6
+    for i in range(n):
+        s3.put(f"listed/files/{i}.bin", _body(i))
+    rows = "".join(json.dumps({"id": i, "file": f"files/{i}.bin"}) + "\n" for i in range(n))
+    url = s3.put("listed/rows.jsonl", rows.encode())
+    source = TableSource(
+        url,
+        files="file",
+        threads=0,
+        list_folders=True,
+        storage_options=_through(s3, proxy),
+        cache_dir=tmp_path,
+    )
+    cursor = source.cursor(ONE)
+    before = proxy.stats.requests
+    files = [next(cursor)["file"] for _ in range(LIST_AFTER)]
+    listings = source.folder_listings()
+    deadline = time.monotonic() + 30
+    while listings.known(s3.url("listed/files/0.bin")) is None:
+        assert time.monotonic() < deadline, "the folder was never listed"
+        time.sleep(0.01)
+    # Until its folder's turn to be listed, a file costs its size (HEAD) and its bytes
+    # (GET); the listing is one request.
+    assert proxy.stats.requests - before == 2 * LIST_AFTER + 1
+    replaced = LIST_AFTER + 2
+    s3.put(f"listed/files/{replaced}.bin", _body(replaced, version=1))  # not through the proxy
+    before = proxy.stats.requests
+    files += [item["file"] for item in cursor]
+    cursor.close()
+    expected = [_body(i) for i in range(n)]
+    expected[replaced] = _body(replaced, version=1)
+    assert files == expected
+    # Listed: a GET each. The replaced file's GET disagrees with its listed size: a HEAD
+    # and a GET again.
+    assert proxy.stats.requests - before == n - LIST_AFTER + 2
+    stats = source.cache_stats()
+    source.close_cache()
+    assert stats is not None
+    assert (stats.misses, stats.hits) == (n + 1, 0)
