@@ -43,26 +43,6 @@ over rounds), the median of the per-round ratios to local, the time to the first
 (and to the built loader) and its ratio to local, the requests the server answered, and
 the CPU seconds of the server, of the loader's main process and of its workers.
 
-NOTE [ Server CPU ]).
-
-Each source is read by a ``SavableDataLoader`` with 2 workers, batch 8, and a fixed CPU
-cost per item (200 us, NOTE [ Item cost ] in ``common.py``), for one epoch or
-``--max-seconds`` after the first batch, whichever ends first, alternately from disk and
-from S3 in an order rotated every round (NOTE [ Alternation ] in ``common.py``):
-
-* ``tar``: 8 tar shards of 24 samples of ~100 KB.
-* ``jsonl``: 8 gzip JSON-lines files of 1,500 records.
-* ``tokens``: 2 raw uint16 token files of 2**21 tokens, windows of 256, shuffled.
-* ``table``: a JSON-lines table of 2,000 rows, each naming a 16 KB file it needs.
-
-Remote reads go through an empty node cache every round (``s3-cache``: ``cache_dir``,
-default ``prefetch``; the table fetches its rows' files with ``threads`` per worker),
-and, as the floor, without a cache (``s3-direct``; the table with ``threads=0``).
-Reported per source and configuration: items per second after the first batch (median
-over rounds), the median of the per-round ratios to local, the time to the first batch
-and its ratio to local, and the CPU seconds of the server, of the loader's main process
-and of its workers during the measurement.
-
 NOTE [ Server CPU ]
 moto is a Python server: each request costs it milliseconds of CPU, and the proxy
 copies every byte once more. A real object store spends none of the node's CPU, but
@@ -72,6 +52,8 @@ process reports its own CPU time (``time.process_time()``) and the proxy's reque
 before and after each measurement; the loader's main process is measured the same way,
 its workers through ``RUSAGE_CHILDREN`` once they are joined. "cores busy" is all of it
 over the measurement's wall time: near 2, the run was bound by CPU, not by latency.
+
+Usage::
 
     python benchmarks/bench_remote.py [--quick] [--rounds R] [--latency S]
         [--only NAME,...] [--max-seconds S] [--server process|inline] [--plot] [--plot-only]
