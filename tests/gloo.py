@@ -28,6 +28,8 @@ from typing import Any
 
 #: A job: ``job(rank, world_size, tmp)`` returns the rank's report (picklable).
 Job = Callable[[int, int, Path], Any]
+#: Seconds gloo's threads get before a group is destroyed (see destroy_process_group).
+_GLOO_SETTLE_SECONDS = 0.1
 
 
 def _stacks_file(tmp: str, port: int, rank: int) -> Path:
@@ -64,12 +66,31 @@ def _run_rank(
         try:
             out.put((rank, "ok", job(rank, world_size, Path(tmp))))
         finally:
-            dist.destroy_process_group()
+            destroy_process_group()
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
         stacks.close()
+
+
+def destroy_process_group() -> None:
+    """``dist.destroy_process_group()`` once gloo's threads are done with the last
+    collective, if a group is initialized.
+
+    NOTE [ Gloo's teardown on older torch ]
+    On older torch (2.4 here), ``ProcessGroupGloo``'s destructor joins gloo's threads
+    while holding the GIL, and a thread that drops a finished collective's work may free a
+    tensor whose Python object needs the GIL: both wait forever (seen in ``tests_lowest``:
+    a docs page destroyed its group right after a collective; torch later releases the
+    GIL there, pytorch/pytorch#154976, merged June 2025). A short sleep before the destroy
+    lets the threads finish.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        time.sleep(_GLOO_SETTLE_SECONDS)
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

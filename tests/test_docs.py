@@ -227,8 +227,6 @@ class _Helpers:
 
     def process_group(self) -> None:
         """Starts a one-rank gloo process group over loopback TCP (destroyed after the page)."""
-        import torch.distributed as dist
-
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -240,9 +238,7 @@ class _Helpers:
             ("LOCAL_RANK", "0"),
         ):
             self._monkeypatch.setenv(name, value)
-        self._stack.callback(
-            lambda: dist.destroy_process_group() if dist.is_initialized() else None
-        )
+        self._stack.callback(_destroy_process_group)
 
     def allow_in_weights_only_load(self, *objects: Any) -> None:
         """Adds ``objects`` to ``torch.load(weights_only=True)``'s allowlist for the page's run."""
@@ -256,6 +252,12 @@ class _Helpers:
             torch.serialization.add_safe_globals(before)
 
         self._stack.callback(restore)
+
+
+def _destroy_process_group() -> None:
+    from gloo import destroy_process_group
+
+    destroy_process_group()
 
 
 @contextlib.contextmanager
