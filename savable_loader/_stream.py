@@ -313,6 +313,12 @@ class Stream:
                 dead = self._dead()
         return dead
 
+    def how_they_died(self, dead: Sequence[int]) -> str:
+        """How the ``dead`` workers ended (a signal, an exit code), as torch says it, in
+        parentheses after a space; empty when that is not known."""
+        ends = " ".join(filter(None, (_torch_compat.worker_exit(self.iterator, w) for w in dead)))
+        return f" ({ends})" if ends else ""
+
     def _dead(self) -> list[int]:
         count = _torch_compat.worker_count(self.iterator)
         return [w for w in range(count) if not _torch_compat.worker_alive(self.iterator, w)]

@@ -121,6 +121,26 @@ def worker_alive(iterator: Any, worker_id: int) -> bool:
     return bool(workers[worker_id].is_alive())
 
 
+def worker_exit(iterator: Any, worker_id: int) -> str:
+    """How worker ``worker_id`` ended, in the words of torch's SIGCHLD handler ("DataLoader
+    worker (pid N) is killed by signal: Killed."); empty while it runs or once reaped
+    elsewhere."""
+    workers = getattr(iterator, "_workers", None)
+    if workers is None or worker_id >= len(workers) or workers[worker_id].is_alive():
+        return ""
+    process = workers[worker_id]
+    code = process.exitcode
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            name = signal.strsignal(-code) or f"signal {-code}"
+        except ValueError:
+            name = f"signal {-code}"
+        return f"DataLoader worker (pid {process.pid}) is killed by signal: {name}."
+    return f"DataLoader worker (pid {process.pid}) exited unexpectedly with exit code {code}."
+
+
 def worker_count(iterator: Any) -> int:
     """Number of worker processes a multi-process iterator started."""
     return len(getattr(iterator, "_workers", ()))

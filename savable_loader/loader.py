@@ -265,16 +265,17 @@ class SavableDataLoader(DataLoader[Any]):
 
     def _raise_if_workers_died(self, error: BaseException, during: str) -> None:
         """Turns ``error`` into a :class:`WorkerError` (stopping the rest) if workers died."""
-        dead = self._stream.dead_workers(error) if self._stream is not None else []
-        if not dead:
+        stream = self._stream
+        if stream is None or not (dead := stream.dead_workers(error)):
             return
+        how = stream.how_they_died(dead)  # before the stop, which forgets the processes
         self._stop_stream()
         self._broken = (
             f"worker(s) {dead} died {during}, so the loader lost its position; restore a "
             "saved state with restore_state_rank() (or restore_state_rank(None) to start over)"
         )
         raise WorkerError(
-            f"worker(s) {dead} died {during}; restore the last saved state "
+            f"worker(s) {dead} died {during}{how}; restore the last saved state "
             f"(restore_state_rank) to resume ({error})"
         ) from error
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -115,10 +116,33 @@ def test_a_worker_dying_between_batches_raises_nothing_there_and_the_next_batch_
         deadline = time.monotonic() + 1.0  # the training step: signals run between lines
         while time.monotonic() < deadline:
             sum(range(1_000))
-        with pytest.raises(WorkerError, match=r"worker\(s\) \[1\] died while producing items"):
+        # How it ended, in torch's words (its SIGCHLD handler's for its own workers).
+        killed = rf"\(DataLoader worker \(pid {pids[1]}\) is killed by signal: Killed\.\)"
+        with pytest.raises(
+            WorkerError, match=r"worker\(s\) \[1\] died while producing items " + killed
+        ):
             _drain(iterator, 10)
     finally:
         loader.close()
+
+
+class ExitsAt(RandomCounter):
+    """Worker 1 exits with code 3 at item 5, as a C extension calling exit() would."""
+
+    def __iter__(self):
+        for item in super().__iter__():
+            if item["index"] == 5:
+                os._exit(3)
+            yield item
+
+
+def test_a_worker_that_exits_is_reported_with_its_exit_code():
+    loader = SavableDataLoader(ExitsAt(40), batch_size=1, num_workers=2)
+    with loader, pytest.raises(WorkerError) as raised:
+        list(loader)
+    message = str(raised.value)
+    assert re.match(r"worker\(s\) \[\d\] died while producing items \(DataLoader worker", message)
+    assert re.search(r"exited unexpectedly with exit code 3\.\)", message), message
 
 
 def test_dead_worker_while_iterating_raises_worker_error_and_last_state_resumes():
