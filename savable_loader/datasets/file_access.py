@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 import fsspec.asyn
+from fsspec.core import get_compression
 
 from ..errors import ConfigError
 from .cache import DEFAULT_CACHE_LIMIT, FileCache, cacheable
@@ -136,6 +137,17 @@ class FileAccess:
         if cache is not None:
             return cache.open(url, self.filesystem(url), ahead=ahead, known=known)
         return self.counted_reads().open(self.filesystem(url), url, ahead=ahead)
+
+    def read_whole(
+        self, url: str, *, ahead: bool = False, known: dict[str, Any] | None = None
+    ) -> bytes:
+        """The bytes of ``url``, decompressed by its extension, as :meth:`open` reads them;
+        a remote file read without a cache, and not compressed, takes one request (NOTE
+        [ Direct reads ] in ``counted_reads.py``), where an open asks for its size first."""
+        if self.cache_dir is None and cacheable(url) and get_compression(url, "infer") is None:
+            return self.counted_reads().cat(self.filesystem(url), url, ahead=ahead)
+        with self.open(url, ahead=ahead, known=known) as file:
+            return file.read()
 
     def read_retrying(self, url: str, read: Callable[[], R]) -> R:
         """``read()``, a read of ``url``, with storage errors as ``StorageError`` and

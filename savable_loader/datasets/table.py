@@ -43,7 +43,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import fsspec
-from fsspec.core import get_compression
 
 from ..config import WorkerContext
 from ..errors import ConfigError
@@ -219,7 +218,7 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
         Raises:
             StorageError: The file cannot be read; names the URL.
         """
-        return self.read_retrying(url, lambda: _read_whole(self, url, known=self.known(url)))
+        return self.read_retrying(url, lambda: self.read_whole(url, known=self.known(url)))
 
     def known(self, url: str) -> dict[str, Any] | None:
         """``url``'s signature from its folder's listing, with ``list_folders`` and a
@@ -256,7 +255,7 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
 
     def _fetch_once(self, url: str) -> bytes:
         with storage_errors(url):
-            return _read_whole(self, url, ahead=True, known=self.known(url))
+            return self.read_whole(url, ahead=True, known=self.known(url))
 
     def close_cache(self) -> None:
         """Stops this process's fetch threads (their pending fetches are cancelled), then
@@ -274,18 +273,6 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
         state["_fetcher"] = None  # threads are per process
         state["_listings"] = None
         return state
-
-
-def _read_whole(
-    access: FileAccess, url: str, *, ahead: bool = False, known: dict[str, Any] | None = None
-) -> bytes:
-    """The bytes of ``url``, decompressed by its extension; a remote file read without a
-    cache and without decompression with one request (NOTE [ Direct reads ] in
-    ``counted_reads.py``)."""
-    if access.cache_dir is None and cacheable(url) and get_compression(url, "infer") is None:
-        return access.counted_reads().cat(access.filesystem(url), url, ahead=ahead)
-    with access.open(url, ahead=ahead, known=known) as file:
-        return file.read()
 
 
 def _folder(url: str) -> str:
