@@ -238,7 +238,9 @@ class _Helpers:
             ("LOCAL_RANK", "0"),
         ):
             self._monkeypatch.setenv(name, value)
-        self._stack.callback(_destroy_process_group)
+        from gloo import destroy_process_group
+
+        self._stack.callback(destroy_process_group)
 
     def allow_in_weights_only_load(self, *objects: Any) -> None:
         """Adds ``objects`` to ``torch.load(weights_only=True)``'s allowlist for the page's run."""
@@ -252,12 +254,6 @@ class _Helpers:
             torch.serialization.add_safe_globals(before)
 
         self._stack.callback(restore)
-
-
-def _destroy_process_group() -> None:
-    from gloo import destroy_process_group
-
-    destroy_process_group()
 
 
 @contextlib.contextmanager
