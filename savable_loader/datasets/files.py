@@ -38,8 +38,14 @@ def storage_errors(url: str, action: str = "read") -> Iterator[None]:
         raise StorageError(f"Cannot {action} {url}: {describe_error(exc)}.") from exc
 
 
-def expand_urls(urls: Urls, storage_options: dict[str, Any], stage: str) -> tuple[str, ...]:
-    """Returns the sorted files that ``urls`` name (NOTE [ Listing files ]).
+def expand_urls(
+    urls: Urls,
+    storage_options: dict[str, Any],
+    stage: str,
+    listed: dict[str, dict[str, Any]] | None = None,
+) -> tuple[str, ...]:
+    """Returns the sorted files that ``urls`` name (NOTE [ Listing files ]); with
+    ``listed``, puts there what the listing of a glob said of each file it matched.
 
     Raises:
         ConfigError: ``urls`` is empty or a glob in it matches nothing.
@@ -59,11 +65,14 @@ def expand_urls(urls: Urls, storage_options: dict[str, Any], stage: str) -> tupl
                 found.add(url if "::" in url else _unstrip(fs, path))
                 continue
             listing = fs.glob(path, detail=True)
-            matches = [
-                _unstrip(fs, match)
+            files = {
+                _unstrip(fs, match): info
                 for match, info in listing.items()
                 if info.get("type") != "directory"
-            ]
+            }
+            matches = list(files)
+            if listed is not None:
+                listed.update(files)
         if not matches:
             raise ConfigError(f"{stage}: {url!r} matches no file")
         found.update(matches)

@@ -21,9 +21,11 @@ is built, in the main process, so its workers inherit the counts), reading every
 once in a few threads, through the cache when there is one (so the workers then find the
 files there): lines for JSON lines, member headers for tar (a local file, or a remote
 one's copy in the cache, is read header to header, seeking over the members' data; a
-remote file read in place, or a compressed one, is read through). The counts stay with
-the stage object (and its pickles) for the life of the process. Files that change after
-they were counted are an error when read, not a silent shift.
+remote file read in place, or a compressed one, is read through). With ``counts=``, the
+files that a counts file describes as they are now are not read: their counts come from
+it (NOTE [ Counts files ] in ``counts_file.py``). The counts stay with the stage object
+(and its pickles) for the life of the process. Files that change after they were counted
+are an error when read, not a silent shift.
 
 NOTE [ Seeking into compressed files ]
 Files are opened through fsspec with ``compression="infer"`` (``.gz``, ``.bz2``,
@@ -47,6 +49,9 @@ import numpy as np
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import derive_seed
+from .cache import signature_of
+from .counts_file import FileCount, fetch_counts, read_counts, recorded_signature, same_file
+from .counts_file import write_counts as write_counts_file
 from .cursor import validate_state
 from .elastic import ReshardPlan
 from .file_access import FileAccess
@@ -93,6 +98,10 @@ class ShardedSource(FileAccess, Stage[T]):
         prefetch: With ``cache_dir``: the next files of each stream downloaded in the
             background while one is read, by as many threads (0: none; NOTE
             [ Prefetching files ] in ``cache.py``).
+        counts: A counts file (path or URL) written by :meth:`write_counts`: with
+            ``split="samples"``, the samples of the files it describes unchanged are
+            taken from it instead of counted (NOTE [ Counts files ] in
+            ``counts_file.py``). Not part of ``config()``.
 
     Raises:
         ConfigError: An argument is invalid or a glob matches nothing.
@@ -119,6 +128,7 @@ class ShardedSource(FileAccess, Stage[T]):
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
         prefetch: int = 2,
+        counts: str | os.PathLike[str] | None = None,
     ) -> None:
         name = type(self).__name__
         if not isinstance(shuffle_shards, bool):
@@ -129,6 +139,12 @@ class ShardedSource(FileAccess, Stage[T]):
             raise ConfigError(f'{name} split must be "samples" or "files", got {split!r}')
         if even not in ("pad", "drop"):
             raise ConfigError(f'{name} even must be "pad" or "drop", got {even!r}')
+        if counts is not None and not isinstance(counts, str | os.PathLike):
+            raise ConfigError(f"{name} counts must be a path or URL or None, got {counts!r}")
+        if counts is not None and split == "files":
+            raise ConfigError(
+                f'{name} counts applies to split="samples"; split="files" counts nothing'
+            )
         if split == "files" and even != "pad":
             raise ConfigError(
                 f'{name} even={even!r} applies to split="samples"; split="files" gives '
@@ -141,7 +157,13 @@ class ShardedSource(FileAccess, Stage[T]):
             cache_limit=cache_limit,
             prefetch=prefetch,
         )
-        self.urls = expand_urls(urls, self.storage_options, name)
+        self.counts = None if counts is None else os.fspath(counts)
+        # What the listing said of each file (its signature), for the counts file.
+        self._listed: dict[str, dict[str, Any]] = {}
+        listed: dict[str, dict[str, Any]] | None = None if counts is None else {}
+        self.urls = expand_urls(urls, self.storage_options, name, listed)
+        if listed:
+            self._listed = {url: signature_of(info) for url, info in listed.items()}
         self.shuffle_shards = shuffle_shards
         self.seed = seed
         self.split: Split = split
@@ -173,28 +195,89 @@ class ShardedSource(FileAccess, Stage[T]):
         raise NotImplementedError(f"{type(self).__name__} cannot count its samples")
 
     def sample_counts(self) -> tuple[int, ...]:
-        """The samples of each file of ``urls``, counted once (NOTE [ Counting samples ]).
+        """The samples of each file of ``urls``, counted once (NOTE [ Counting samples ]),
+        or taken from the counts file (NOTE [ Counts files ] in ``counts_file.py``).
 
         Raises:
-            StorageError: Reading a file failed.
+            StorageError: Reading a file, or the counts file, failed.
+            ConfigError: The counts file is malformed or another source's.
         """
         if self._counts is None:
-
-            def count(url: str) -> int:
-                def once() -> int:
-                    with self.open(url) as file:
-                        return self.count_items(file, url)
-
-                return self.read_retrying(url, once)
-
-            self.file_cache()  # one per process, before the threads share it
-            threads = min(_COUNTING_THREADS, len(self.urls))
-            with ThreadPoolExecutor(threads, thread_name_prefix="count-samples") as pool:
-                self._counts = tuple(pool.map(count, self.urls))
+            recorded = {}
+            if self.counts is not None:
+                url, name = self.counts, type(self).__name__
+                raw = self.read_retrying(url, lambda: fetch_counts(url, name, self.filesystem))
+                recorded = read_counts(raw, url, name)
+            self._counts = self._count(recorded, dict(self._listed))
             logger.debug(
                 "%s: %d samples in %d files", self.describe(), sum(self._counts), len(self._counts)
             )
         return self._counts
+
+    def write_counts(self, url: str | os.PathLike[str]) -> None:
+        """Counts the samples of every file, as a loader would, and writes them to a counts
+        file at ``url`` (a path or URL, written atomically when local) with each file's
+        signature, for ``counts=url`` (NOTE [ Counts files ] in ``counts_file.py``).
+
+        Raises:
+            StorageError: Reading a file, or writing ``url``, failed.
+        """
+        signatures = dict(self._listed)
+        counts = self._count({}, signatures, sign_all=True)
+        write_counts_file(
+            os.fspath(url),
+            type(self).__name__,
+            self.urls,
+            counts,
+            [signatures[url] for url in self.urls],
+            self.storage_options,
+        )
+
+    def _count(
+        self,
+        recorded: dict[str, FileCount],
+        signatures: dict[str, dict[str, Any]],
+        *,
+        sign_all: bool = False,
+    ) -> tuple[int, ...]:
+        """Each file's samples: ``recorded``'s for a file whose signature (from
+        ``signatures``, else asked with ``info()`` and put there) is the recorded one,
+        else counted. With ``sign_all``, every file's signature is in ``signatures``
+        before its count is taken, so that a later change shows as another signature."""
+
+        def signature(url: str) -> dict[str, Any]:
+            if url not in signatures:
+                info = self.read_retrying(url, lambda: self.filesystem(url).info(url))
+                signatures[url] = signature_of(info)
+            return signatures[url]
+
+        def count(url: str) -> tuple[int, bool]:
+            now = signature(url) if sign_all or url in recorded else None
+            entry = recorded.get(url)
+            if entry is not None and now is not None and same_file(recorded_signature(entry), now):
+                return entry.samples, True
+
+            def once() -> int:
+                with self.open(url) as file:
+                    return self.count_items(file, url)
+
+            return self.read_retrying(url, once), False
+
+        self.file_cache()  # one per process, before the threads share it
+        threads = min(_COUNTING_THREADS, len(self.urls))
+        with ThreadPoolExecutor(threads, thread_name_prefix="count-samples") as pool:
+            found = list(pool.map(count, self.urls))
+        counted = sum(1 for _, known in found if not known)
+        if self.counts is not None and counted:
+            logger.info(
+                "%s: %d of %d files counted: the counts file %s does not describe them as "
+                "they are now",
+                self.describe(),
+                counted,
+                len(found),
+                self.counts,
+            )
+        return tuple(samples for samples, _ in found)
 
     def sample_starts(self, epoch: int) -> list[int]:
         """The first sample of each file of ``epoch``'s order, in that order."""
