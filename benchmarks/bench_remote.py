@@ -36,6 +36,10 @@ Configurations (:data:`BASELINES`), every source with its defaults otherwise:
   file before the first batch, so the workers of ``s3-cache`` read local copies; with
   ``split="files"`` nothing is counted and the workers stream their shards through the
   cache, downloading ahead (NOTE [ Prefetching files ] in ``cache.py``).
+* ``local:counts`` and ``s3-cache:counts`` (tar, jsonl): ``split="samples"`` with a
+  counts file written beside the files before the run (``counts=``: NOTE [ Counts files ]
+  in ``counts_file.py``), so that the loader counts nothing when it is built and the
+  workers stream their shards through the cache as with ``split="files"``.
 
 Each configuration is compared with the local one of the same split (:data:`BASELINES`).
 Reported per source and configuration: items per second after the first batch (median
@@ -103,6 +107,8 @@ BASELINES: dict[str, dict[str, str]] = {
         "s3-direct": "local",
         "local:files": "local:files",
         "s3-cache:files": "local:files",
+        "local:counts": "local:counts",
+        "s3-cache:counts": "local:counts",
     },
     "jsonl": {
         "local": "local",
@@ -110,6 +116,8 @@ BASELINES: dict[str, dict[str, str]] = {
         "s3-direct": "local",
         "local:files": "local:files",
         "s3-cache:files": "local:files",
+        "local:counts": "local:counts",
+        "s3-cache:counts": "local:counts",
     },
     "tokens": {"local": "local", "s3-cache": "local", "s3-direct": "local"},
     "table": {
@@ -310,6 +318,20 @@ class Server:
 # -- one measurement -------------------------------------------------------------------------
 
 
+def write_counts(root: Path, names: list[str], options: dict[str, Any]) -> None:
+    """The counts files of the ``:counts`` configurations: one beside the local files, one
+    beside the uploaded ones (written from the bucket's listing, so that it records the
+    ETags), each counted as a loader would (NOTE [ Counts files ] in
+    ``savable_loader/datasets/counts_file.py``)."""
+    kinds = {"tar": (TarSource, "*.tar"), "jsonl": (JsonLinesSource, "*.jsonl.gz")}
+    for name in names:
+        if name in kinds:
+            build, pattern = kinds[name]
+            build(str(root / name / pattern)).write_counts(root / name / "counts.json")
+            remote = build(f"s3://{BUCKET}/{name}/{pattern}", storage_options=options)
+            remote.write_counts(f"s3://{BUCKET}/{name}/counts.json")
+
+
 def cost(units: int, item: Any) -> int:
     """The per-item CPU cost; the item itself is dropped (only its reading is measured)."""
     common.burn(units)
@@ -327,6 +349,8 @@ def build(name: str, config: str, root: Path, options: dict[str, Any], cache: Pa
             kwargs["cache_dir"] = cache
     if variant == "files":
         kwargs["split"] = "files"
+    if variant == "counts":
+        kwargs["counts"] = f"{base}/{name}/counts.json"
     if name == "tar":
         return TarSource(f"{base}/tar/*.tar", **kwargs)
     if name == "jsonl":
@@ -431,7 +455,6 @@ def main() -> None:
         root.mkdir()
         write_data(root, sizes)
         upload(root, server.url, BUCKET, threads=8)
-        server.set_latency(args.latency)
         options = {
             "key": "k",
             "secret": "s",
@@ -441,6 +464,8 @@ def main() -> None:
         # is built once per run: it takes a second of CPU, and an S3 client that a forked
         # worker inherits and drops logs "Task exception was never retrieved" there.
         main_fs = fsspec.filesystem("s3", **options)
+        write_counts(root, names, options)
+        server.set_latency(args.latency)
         for name in names:
             configs = list(BASELINES[name])
             samples[name] = {config: [] for config in configs}
@@ -508,12 +533,12 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     """Per source, whether the cached remote read meets the issue's targets."""
     notes = []
     for row in rows:
-        if row["config"] != "s3-cache":
+        if row["config"] not in ("s3-cache", "s3-cache:counts"):
             continue
         rate = row["x local"] >= 0.9
         first = row["first batch x local"] <= 2.0
         notes.append(
-            f"{row['source']}: s3-cache {row['x local']:.2f}x local items/s (target >= 0.9: "
+            f"{row['source']}: {row['config']} {row['x local']:.2f}x local items/s (target >= 0.9: "
             f"{'met' if rate else 'not met'}), first batch {row['first batch x local']:.1f}x "
             f"local (target <= 2: {'met' if first else 'not met'})."
         )
@@ -538,7 +563,8 @@ def report(
         f"{args.latency * 1000:.0f} ms first-byte latency on every request; one epoch per "
         f"measurement or {max_seconds:.0f} s after the first batch; {rounds} rounds, order "
         "rotated every round; medians over rounds; 'x local' = median of per-round ratios "
-        "to the local configuration of the same split (local:files for the :files ones).",
+        "to the local configuration of the same split (local:files for the :files ones, "
+        "local:counts for the :counts ones).",
         *sizes.describe(),
         "Configurations: s3-cache = an empty cache_dir (the table with list_folders=True); "
         "s3-cache:head = the table's cache without list_folders; s3-direct = no cache; "

@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt
 COLORS = {
     "s3-cache": "#2ca02c",
     "s3-cache:files": "#98df8a",
+    "s3-cache:counts": "#17becf",
     "s3-cache:head": "#bcbd22",
     "s3-direct": "#7f7f7f",
 }
