@@ -568,7 +568,8 @@ def report(
         *sizes.describe(),
         "Configurations: s3-cache = an empty cache_dir (the table with list_folders=True); "
         "s3-cache:head = the table's cache without list_folders; s3-direct = no cache; "
-        ':files = split="files" (tar, jsonl); otherwise every source with its defaults '
+        ':files = split="files" (tar, jsonl); :counts = a counts file written before the '
+        "run (counts=, tar, jsonl); otherwise every source with its defaults "
         '(split="samples", prefetch=2; the table threads=8, prefetch=16).',
         "items/s counts the items after the first batch; first batch s includes building "
         "the source and the loader (built s: a remote source builds its S3 client and "
