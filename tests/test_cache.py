@@ -21,7 +21,7 @@ from stage_harness import check_stage
 from test_tar_source import _shard
 
 from savable_loader import ConfigError, SavableDataLoader, StorageError, WorkerContext
-from savable_loader.datasets import RetryPolicy
+from savable_loader.datasets import RetryPolicy, cache_evict
 from savable_loader.datasets.cache import FileCache
 from savable_loader.datasets.jsonl import JsonLinesSource
 from savable_loader.datasets.tar import TarSource
@@ -477,13 +477,13 @@ def test_downloads_under_the_limit_scan_the_folder_once_and_the_limit_holds(
     for url in urls:
         fs.pipe_file(url, bytes(1000))
     scans: list[int] = []
-    original = FileCache._evict_locked
+    original = cache_evict.evict_locked
 
-    def counted(self: FileCache) -> None:
+    def counted(directory: Path, limit: int) -> None:
         scans.append(1)
-        original(self)
+        original(directory, limit)
 
-    monkeypatch.setattr(FileCache, "_evict_locked", counted)
+    monkeypatch.setattr(cache_evict, "evict_locked", counted)
     cache = FileCache(tmp_path, 10_000, 0)
     for index, url in enumerate(urls):
         with cache.open(url, fs) as file:

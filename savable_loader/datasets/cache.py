@@ -39,6 +39,8 @@ its one writer.
   cache (counted as a miss, not as downloaded bytes).
 * Files are opened from the cache with fsspec's local filesystem and decompressed by the URL's
   extension, as ``compression="infer"`` does for the remote file.
+* A stream's reader that downloads a large file itself reads it as it arrives (NOTE [ Reading
+  a download ] in ``cache_stream.py``); eviction and the usage record are ``cache_evict.py``'s.
 
 NOTE [ Prefetching files ]
 ``prefetch`` threads per process download the next files of a stream into the cache while the
@@ -51,7 +53,7 @@ The threads are daemons, exit after a second idle, stop at :meth:`FileCache.clos
 rebuilt when needed. A forked child (a DataLoader worker) closes its copies of the locks its
 parent held, so that it keeps no entry from eviction that it does not use.
 
-Near 500 lines: the cache, its locks and its prefetch threads share held locks and pins.
+Near 500 lines: the cache, its locks and its download threads share held locks and pins.
 """
 
 from __future__ import annotations
@@ -59,16 +61,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
-import json
+import io
 import logging
 import os
 import queue
 import threading
 import time
-import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -76,7 +76,13 @@ import fsspec
 from fsspec.compression import compr
 from fsspec.core import get_compression
 
+from ..errors import StorageError
+from .cache_entries import commit, entry_path, is_valid, temp_path
+from .cache_evict import evict, over, record
+from .cache_stream import STREAM_MIN_BYTES, Download, GrowingFile, fetch_into
+from .cache_stream import Changed as _Changed
 from .held_file import HeldFile
+from .retry import RetryPolicy, retrying
 from .storage_stats import CacheStats
 
 __all__ = ["DEFAULT_CACHE_LIMIT", "FileCache", "cacheable", "signature_of"]
@@ -86,7 +92,6 @@ logger = logging.getLogger(__name__)
 #: ``cache_limit`` when a ``cache_dir`` is given without one: 10 GiB.
 DEFAULT_CACHE_LIMIT = 10 * 2**30
 
-_STALE_TEMP_SECONDS = 3600.0
 _IDLE_SECONDS = 1.0
 _LOCAL = ("file", "local")
 
@@ -113,20 +118,6 @@ def signature_of(info: dict[str, Any]) -> dict[str, Any]:
         "etag": None if etag is None else str(etag),
         "mtime": None if mtime is None else str(mtime),
     }
-
-
-class _Changed(ConnectionError):
-    """The remote file is not what its signature says: replaced since it was taken."""
-
-
-@contextlib.contextmanager
-def _flocked(path: Path, mode: int) -> Iterator[int]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, mode)
-        yield fd
-    finally:
-        os.close(fd)
 
 
 #: Every cache object of this process, whose inherited locks a forked child lets go.
@@ -159,8 +150,6 @@ class FileCache:
         self.stats = CacheStats()
         self._local = fsspec.filesystem("file")
         self._mutex = threading.Lock()
-        self._over_marker = self.directory / ".over"
-        self._usage = self.directory / ".usage"
         self._checked: dict[str, dict[str, Any]] = {}  # prefetched: url -> signature
         self._pinned: dict[str, int] = {}  # prefetched: url -> fd of its shared lock
         self._wanted: set[str] = set()
@@ -171,13 +160,20 @@ class FileCache:
         _CACHES.add(self)
 
     def path(self, url: str, suffix: str) -> Path:
-        key = hashlib.sha256(url.encode()).hexdigest()[:40]
-        return self.directory / f"{key}{suffix}"
+        """The file of ``url``'s entry with ``suffix`` (``.data``, ``.json``, ``.lock``...)."""
+        return entry_path(self.directory, url, suffix)
 
     # -- reading -------------------------------------------------------------------------
 
     def open(
-        self, url: str, fs: Any, *, ahead: bool = False, known: dict[str, Any] | None = None
+        self,
+        url: str,
+        fs: Any,
+        *,
+        ahead: bool = False,
+        known: dict[str, Any] | None = None,
+        stream: bool = False,
+        retry: RetryPolicy | None = None,
     ) -> IO[bytes]:
         """``url`` opened from the cache, downloaded first unless a valid entry holds it;
         decompressed by the URL's extension. Closing the file releases the entry. An
@@ -185,6 +181,8 @@ class FileCache:
         in ``wait_seconds``: the reader's wait for it is. ``known``: the file's signature
         from a listing (:func:`signature_of`), used instead of asking ``info()``, which is
         asked after all if the download disagrees with it (NOTE [ File cache ]).
+        ``stream``: a download this open makes is read as it arrives (NOTE [ Reading a
+        download ] in ``cache_stream.py``), its ranges retried under ``retry``.
 
         Raises:
             Exception: What ``fs`` raised (the caller turns it into a StorageError and
@@ -203,7 +201,9 @@ class FileCache:
                     logger.debug("%s: %d bytes, over the cache limit: streamed", url, size)
                     return fs.open(url, "rb", compression="infer")  # type: ignore[no-any-return]
                 try:
-                    fd, downloaded = self._hold(url, fs, signature)
+                    fd, downloaded, download = self._hold(
+                        url, fs, signature, stream=stream, retry=retry
+                    )
                     break
                 except _Changed:
                     if not listed:
@@ -222,7 +222,7 @@ class FileCache:
             self._drop(pinned)
         self._count(misses=1 if downloaded else 0, hits=0 if downloaded else 1)
         try:
-            files = self._open_local(url)
+            files = self._open_local(url, download)
         except BaseException:
             self._drop(fd)
             raise
@@ -249,25 +249,36 @@ class FileCache:
 
     def _release(self, fd: int) -> None:
         self._drop(fd)
-        if self._over_marker.exists():
+        if over(self.directory):
             self.evict()
 
-    def _open_local(self, url: str) -> tuple[IO[bytes], ...]:
-        """The entry's file, and the decompressed view of it when the URL names a
-        compression (both to close)."""
-        raw = self._local.open(str(self.path(url, ".data")), "rb")
+    def _open_local(self, url: str, download: Download | None = None) -> tuple[IO[bytes], ...]:
+        """The entry's file (or the one ``download`` writes), and the decompressed view of
+        it when the URL names a compression (both to close)."""
+        if download is None:
+            raw = self._local.open(str(self.path(url, ".data")), "rb")
+        else:
+            raw = io.BufferedReader(GrowingFile(download, self._waited))
         compression = get_compression(url, "infer")
         if compression is None:
             return (raw,)
         return compr[compression](raw, mode="rb"), raw
 
     def _hold(
-        self, url: str, fs: Any, signature: dict[str, Any], *, prefetch: bool = False
-    ) -> tuple[int, bool]:
-        """A shared lock on a valid entry of ``url`` (its fd), and whether this call
-        downloaded it (``prefetch``: for a prefetch thread). The shared lock is taken
-        first and kept, so no eviction removes the entry between its download and its
-        use."""
+        self,
+        url: str,
+        fs: Any,
+        signature: dict[str, Any],
+        *,
+        prefetch: bool = False,
+        stream: bool = False,
+        retry: RetryPolicy | None = None,
+    ) -> tuple[int, bool, Download | None]:
+        """A shared lock on a valid entry of ``url`` (its fd), whether this call downloaded
+        it (``prefetch``: for a prefetch thread), and with ``stream``, the download still
+        running for a large file (NOTE [ Reading a download ] in ``cache_stream.py``). The
+        shared lock is taken first and kept, so no eviction removes the entry between its
+        download and its use. ``retry``: the policy of a streamed download's ranges."""
         fd = os.open(self.path(url, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -275,32 +286,81 @@ class FileCache:
                 os.utime(self.path(url, ".data"))
                 with self._mutex:
                     self._held.add(fd)
-                return fd, False
-            downloaded = False
-            with _flocked(self.path(url, ".download"), fcntl.LOCK_EX):
+                return fd, False, None
+            downloaded, download = False, None
+            lock: int | None = self._lock(self.path(url, ".download"))
+            try:
                 if not self._valid(url, signature):  # another may have downloaded it
-                    self._download(url, fs, signature, prefetch=prefetch)
                     downloaded = True
-            if not self._valid(url, signature):
+                    if stream and signature["size"] >= STREAM_MIN_BYTES:
+                        download = Download(temp_path(self.directory, url), signature["size"])
+                        threading.Thread(
+                            target=self._stream,
+                            args=(url, fs, signature, download, lock, retry),
+                            name="cache-stream",
+                            daemon=True,
+                        ).start()
+                        lock = None  # the thread's now
+                    else:
+                        self._download(url, fs, signature, prefetch=prefetch)
+            finally:
+                if lock is not None:
+                    self._drop(lock)
+            if download is None and not self._valid(url, signature):
                 raise _Changed(f"{url} changed while it was being cached")
         except BaseException:
             os.close(fd)
             raise
         with self._mutex:
             self._held.add(fd)
-        return fd, downloaded
+        return fd, downloaded, download
+
+    def _lock(self, path: Path) -> int:
+        """An exclusive lock on ``path`` (its fd, closed by :meth:`_drop`), which a forked
+        child lets go (``_forget_inherited``)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._mutex:
+            self._held.add(fd)
+        return fd
+
+    def _stream(
+        self,
+        url: str,
+        fs: Any,
+        signature: dict[str, Any],
+        download: Download,
+        lock: int,
+        retry: RetryPolicy | None,
+    ) -> None:
+        """The thread of a download read as it arrives; holds the download ``lock``."""
+
+        def retried(call: Callable[[], bytes]) -> bytes:
+            return retrying(url, call, lambda: None, retry)
+
+        try:
+            fetch_into(fs, url, download, lambda size: self._count(bytes_downloaded=size), retried)
+            self._commit(url, download.temp, signature, counted=True)
+        except BaseException as exc:
+            download.temp.unlink(missing_ok=True)
+            if isinstance(exc, StorageError):  # the attempts are spent: not again
+                exc = StorageError(str(exc))
+            download.end(exc)
+        else:
+            download.end()
+        finally:
+            self._drop(lock)
+
+    def _waited(self, seconds: float) -> None:
+        with self._mutex:
+            self.stats.wait_seconds += seconds
 
     def _valid(self, url: str, signature: dict[str, Any]) -> bool:
-        try:
-            recorded = json.loads(self.path(url, ".json").read_text())
-            size = self.path(url, ".data").stat().st_size
-        except (OSError, ValueError):
-            return False
-        return bool(
-            recorded.get("url") == url
-            and {k: recorded.get(k) for k in signature} == signature
-            and size == signature["size"]
-        )
+        return is_valid(self.directory, url, signature)
 
     def _download(
         self, url: str, fs: Any, signature: dict[str, Any], *, prefetch: bool = False
@@ -308,101 +368,42 @@ class FileCache:
         """Downloads ``url`` into its entry (the caller holds its download lock). The
         download is counted before the sidecar makes the entry valid, so a reader that
         finds it valid also finds it counted."""
-        data, sidecar = self.path(url, ".data"), self.path(url, ".json")
-        temp = self.directory / f".tmp-{data.stem}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        temp = temp_path(self.directory, url)
         try:
             fs.get_file(url, str(temp))  # one GET on object stores (open would HEAD first)
-            with open(temp, "rb+") as out:
-                os.fsync(out.fileno())
-                got = os.fstat(out.fileno()).st_size
-            if got != signature["size"]:
-                raise _Changed(
-                    f"downloaded {got} bytes of {url}, whose size is {signature['size']}"
-                )
-            sidecar.unlink(missing_ok=True)
-            os.replace(temp, data)
-            with open(temp, "w") as out:
-                json.dump({"url": url, **signature}, out)
-                out.flush()
-                os.fsync(out.fileno())
-            self._count(bytes_downloaded=got, prefetched=int(prefetch))
-            os.replace(temp, sidecar)
-            self._sync_directory()
+            self._commit(url, temp, signature, prefetch=prefetch)
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
-        logger.debug("%s: %d bytes downloaded into %s", url, got, data)
-        self._record(got)
 
-    def _record(self, size: int) -> None:
-        """Adds a download to the folder's recorded usage; evicts when the record says
-        the entries exceed the limit, or is missing or an hour old (NOTE [ File cache ])."""
-        with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
-            with contextlib.suppress(OSError, ValueError):
-                fresh = time.time() - self._usage.stat().st_mtime < _STALE_TEMP_SECONDS
-                usage = int(self._usage.read_text()) + size
-                if fresh and usage <= self.limit:
-                    self._usage.write_text(str(usage))
-                    return
-            self._evict_locked()
+    def _commit(
+        self,
+        url: str,
+        temp: Path,
+        signature: dict[str, Any],
+        *,
+        prefetch: bool = False,
+        counted: bool = False,
+    ) -> None:
+        """Makes ``temp`` ``url``'s entry (``cache_entries.commit``), counting its bytes
+        unless they were ``counted`` as they landed, and keeps the folder's usage."""
 
-    def _sync_directory(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        def count(size: int) -> None:
+            self._count(bytes_downloaded=0 if counted else size, prefetched=int(prefetch))
+
+        size = commit(self.directory, url, temp, signature, count)
+        logger.debug("%s: %d bytes downloaded into %s", url, size, self.path(url, ".data"))
+        record(self.directory, self.limit, size)
 
     def _count(self, **added: int) -> None:
         with self._mutex:
             for name, value in added.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
 
-    # -- eviction ------------------------------------------------------------------------
-
     def evict(self) -> None:
         """Removes the least recently used entries no one holds until the folder's
         entries take at most ``limit`` bytes (NOTE [ File cache ])."""
-        with _flocked(self.directory / ".evict.lock", fcntl.LOCK_EX):
-            self._evict_locked()
-
-    def _evict_locked(self) -> None:
-        """:meth:`evict` with ``.evict.lock`` held; records the usage it leaves."""
-        entries = []
-        for data in self.directory.glob("*.data"):
-            with contextlib.suppress(OSError):
-                stat = data.stat()
-                entries.append((stat.st_mtime, stat.st_size, data))
-        total = sum(size for _, size, _ in entries)
-        for _, size, data in sorted(entries):
-            if total <= self.limit:
-                break
-            if self._remove(data):
-                total -= size
-        if total > self.limit:
-            self._over_marker.touch()
-        else:
-            self._over_marker.unlink(missing_ok=True)
-        self._usage.write_text(str(total))
-        now = time.time()
-        for temp in self.directory.glob(".tmp-*"):
-            with contextlib.suppress(OSError):
-                if now - temp.stat().st_mtime > _STALE_TEMP_SECONDS:
-                    temp.unlink()
-
-    def _remove(self, data: Path) -> bool:
-        fd = os.open(data.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False  # a reader holds it
-            data.with_suffix(".json").unlink(missing_ok=True)
-            data.unlink(missing_ok=True)
-            logger.debug("evicted %s", data)
-            return True
-        finally:
-            os.close(fd)
+        evict(self.directory, self.limit)
 
     # -- prefetching (NOTE [ Prefetching files ]) ----------------------------------------
 
@@ -443,7 +444,7 @@ class FileCache:
         signature = signature_of(fs.info(url))
         if signature["size"] > self.limit:
             return
-        fd, _ = self._hold(url, fs, signature, prefetch=True)
+        fd, _, _ = self._hold(url, fs, signature, prefetch=True)
         dropped = []
         with self._mutex:
             keep = not self._closed and url in self._wanted and url not in self._pinned

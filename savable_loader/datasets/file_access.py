@@ -111,7 +111,12 @@ class FileAccess:
         self._counted = {}
 
     def open(
-        self, url: str, *, ahead: bool = False, known: dict[str, Any] | None = None
+        self,
+        url: str,
+        *,
+        ahead: bool = False,
+        known: dict[str, Any] | None = None,
+        stream: bool = False,
     ) -> IO[bytes]:
         """Opens ``url`` for reading, decompressed by its extension.
 
@@ -128,6 +133,9 @@ class FileAccess:
                 threads): its time is not the reader's wait and is not counted.
             known: With a cache, the file's signature from a listing (``signature_of``
                 in ``cache.py``), so the cache does not ask the store for it.
+            stream: With a cache, a large file this open downloads is read as it
+                arrives (NOTE [ Reading a download ] in ``cache_stream.py``): for a
+                reader that reads on from one place, not a memory map.
         """
         if "::" in url:
             return fsspec.open(url, "rb", compression="infer", **self.storage_options).open()  # type: ignore[no-any-return]
@@ -135,7 +143,8 @@ class FileAccess:
             return self.filesystem(url).open(url, "rb", compression="infer")  # type: ignore[no-any-return]
         cache = self.file_cache()
         if cache is not None:
-            return cache.open(url, self.filesystem(url), ahead=ahead, known=known)
+            fs = self.filesystem(url)
+            return cache.open(url, fs, ahead=ahead, known=known, stream=stream, retry=self.retry)
         return self.counted_reads().open(self.filesystem(url), url, ahead=ahead)
 
     def read_whole(

@@ -271,7 +271,7 @@ class ShardCursor(Cursor[T]):
             if self.stage.cache_dir is not None and self.stage.prefetch:
                 self.stage.prefetch_files(self.upcoming())
             with storage_errors(url):
-                file = self.stage.open(url)
+                file = self.stage.open(url, stream=True)
                 try:
                     if self.offset:
                         file.seek(self.offset)

@@ -1,0 +1,78 @@
+"""A cache entry on disk: its files' names, its validity, and its atomic commit (NOTE
+[ File cache ] in ``cache.py``: "An entry", "Writes are atomic")."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .cache_stream import Changed
+
+__all__ = ["commit", "entry_path", "is_valid", "temp_path"]
+
+
+def entry_path(directory: Path, url: str, suffix: str) -> Path:
+    """The file of ``url``'s entry with ``suffix`` (``.data``, ``.json``, ``.lock``...)."""
+    key = hashlib.sha256(url.encode()).hexdigest()[:40]
+    return directory / f"{key}{suffix}"
+
+
+def temp_path(directory: Path, url: str) -> Path:
+    """A new temp file's path for ``url``'s entry, in the cache's folder."""
+    stem = entry_path(directory, url, "").name
+    return directory / f".tmp-{stem}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def is_valid(directory: Path, url: str, signature: dict[str, Any]) -> bool:
+    """Whether ``url``'s entry holds the file that ``signature`` describes."""
+    try:
+        recorded = json.loads(entry_path(directory, url, ".json").read_text())
+        size = entry_path(directory, url, ".data").stat().st_size
+    except (OSError, ValueError):
+        return False
+    return bool(
+        recorded.get("url") == url
+        and {k: recorded.get(k) for k in signature} == signature
+        and size == signature["size"]
+    )
+
+
+def commit(
+    directory: Path,
+    url: str,
+    temp: Path,
+    signature: dict[str, Any],
+    before_valid: Callable[[int], None],
+) -> int:
+    """Makes ``temp``, ``url`` downloaded whole, its entry, and returns its size; calls
+    ``before_valid(size)`` before the sidecar makes the entry valid. The caller holds the
+    download lock and removes ``temp`` if this raises.
+
+    Raises:
+        Changed: ``temp``'s size is not the signature's.
+    """
+    data, sidecar = entry_path(directory, url, ".data"), entry_path(directory, url, ".json")
+    with open(temp, "rb+") as out:
+        os.fsync(out.fileno())
+        got = os.fstat(out.fileno()).st_size
+    if got != signature["size"]:
+        raise Changed(f"downloaded {got} bytes of {url}, whose size is {signature['size']}")
+    sidecar.unlink(missing_ok=True)
+    os.replace(temp, data)
+    with open(temp, "w") as out:
+        json.dump({"url": url, **signature}, out)
+        out.flush()
+        os.fsync(out.fileno())
+    before_valid(got)
+    os.replace(temp, sidecar)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return got

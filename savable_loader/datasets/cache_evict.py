@@ -1,0 +1,98 @@
+"""Keeping a cache folder under its limit: eviction and the recorded usage (NOTE [ File
+cache ] in ``cache.py``, its "Eviction" point)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["STALE_TEMP_SECONDS", "evict", "evict_locked", "flocked", "over", "record"]
+
+logger = logging.getLogger(__name__)
+
+#: Age after which a temp file is a killed download's, and the usage record is rebuilt.
+STALE_TEMP_SECONDS = 3600.0
+
+
+@contextlib.contextmanager
+def flocked(path: Path, mode: int) -> Iterator[int]:
+    """``path`` (created if missing) locked with ``flock`` in ``mode`` while in the block."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, mode)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def over(directory: Path) -> bool:
+    """Whether the last eviction left ``directory`` over its limit (the ``.over`` marker)."""
+    return (directory / ".over").exists()
+
+
+def record(directory: Path, limit: int, size: int) -> None:
+    """Adds a download of ``size`` bytes to the folder's recorded usage; evicts when the
+    record says the entries exceed ``limit``, or is missing or an hour old."""
+    usage = directory / ".usage"
+    with flocked(directory / ".evict.lock", fcntl.LOCK_EX):
+        with contextlib.suppress(OSError, ValueError):
+            fresh = time.time() - usage.stat().st_mtime < STALE_TEMP_SECONDS
+            total = int(usage.read_text()) + size
+            if fresh and total <= limit:
+                usage.write_text(str(total))
+                return
+        evict_locked(directory, limit)
+
+
+def evict(directory: Path, limit: int) -> None:
+    """Removes the least recently used entries no one holds until the folder's entries
+    take at most ``limit`` bytes."""
+    with flocked(directory / ".evict.lock", fcntl.LOCK_EX):
+        evict_locked(directory, limit)
+
+
+def evict_locked(directory: Path, limit: int) -> None:
+    """:func:`evict` with ``.evict.lock`` held; records the usage it leaves and removes
+    temp files an hour old."""
+    entries = []
+    for data in directory.glob("*.data"):
+        with contextlib.suppress(OSError):
+            stat = data.stat()
+            entries.append((stat.st_mtime, stat.st_size, data))
+    total = sum(size for _, size, _ in entries)
+    for _, size, data in sorted(entries):
+        if total <= limit:
+            break
+        if _remove(data):
+            total -= size
+    if total > limit:
+        (directory / ".over").touch()
+    else:
+        (directory / ".over").unlink(missing_ok=True)
+    (directory / ".usage").write_text(str(total))
+    now = time.time()
+    for temp in directory.glob(".tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - temp.stat().st_mtime > STALE_TEMP_SECONDS:
+                temp.unlink()
+
+
+def _remove(data: Path) -> bool:
+    """Removes the entry of ``data`` unless someone holds it (its ``.lock``)."""
+    fd = os.open(data.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a reader holds it
+        data.with_suffix(".json").unlink(missing_ok=True)
+        data.unlink(missing_ok=True)
+        logger.debug("evicted %s", data)
+        return True
+    finally:
+        os.close(fd)
