@@ -81,11 +81,15 @@ class Gated:
         return data
 
 
-def test_the_first_bytes_are_read_before_the_download_ends(tmp_path: Path) -> None:
+def _gated(tmp_path: Path) -> tuple[bytes, str, Gated, FileCache]:
+    """A random file of SIZE bytes behind a :class:`Gated` filesystem, and a cache."""
     body = os.urandom(SIZE)
     fs, url = _memory_file(body)
-    gated = Gated(fs)
-    cache = FileCache(tmp_path, 2**30, 0)
+    return body, url, Gated(fs), FileCache(tmp_path, 2**30, 0)
+
+
+def test_the_first_bytes_are_read_before_the_download_ends(tmp_path: Path) -> None:
+    body, url, gated, cache = _gated(tmp_path)
     with cache.open(url, gated, stream=True) as file:
         assert file.read(1000) == body[:1000]  # only the first range has landed
         assert gated.ranges[0] == (0, FIRST_CHUNK_BYTES)
@@ -130,9 +134,7 @@ def test_seeks_and_lines_read_the_download_as_a_local_file(tmp_path: Path) -> No
 def test_a_failed_or_changed_download_is_an_error_after_the_bytes_before_it(
     tmp_path: Path, fault: str
 ) -> None:
-    body = os.urandom(SIZE)
-    fs, url = _memory_file(body)
-    gated = Gated(fs)
+    body, url, gated, cache = _gated(tmp_path)
     if fault == "error":
         gated.error = ConnectionResetError("reset by the test")
     elif fault == "short":
@@ -140,7 +142,6 @@ def test_a_failed_or_changed_download_is_an_error_after_the_bytes_before_it(
     else:
         gated.extra = b"x"
     gated.gate.set()
-    cache = FileCache(tmp_path, 2**30, 0)
     retry = RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.001)
     with cache.open(url, gated, stream=True, retry=retry) as file:
         assert file.read(FIRST_CHUNK_BYTES) == body[:FIRST_CHUNK_BYTES]
@@ -162,10 +163,7 @@ def test_a_failed_or_changed_download_is_an_error_after_the_bytes_before_it(
 
 
 def test_a_reader_that_stops_early_leaves_the_entry_to_the_download(tmp_path: Path) -> None:
-    body = os.urandom(SIZE)
-    fs, url = _memory_file(body)
-    gated = Gated(fs)
-    cache = FileCache(tmp_path, 2**30, 0)
+    body, url, gated, cache = _gated(tmp_path)
     with cache.open(url, gated, stream=True) as file:
         assert file.read(10) == body[:10]
     gated.gate.set()
