@@ -1,18 +1,19 @@
-"""The ``savable-loader`` command: ``demo``, ``inspect`` and ``verify``.
+"""The ``savable-loader`` command: ``demo``, ``inspect``, ``verify`` and ``counts``.
 
 ``savable-loader demo`` trains a small model over a synthetic pipeline with worker
 processes, kills the run with SIGKILL part way, resumes it in a new process from the last
 saved state, and checks that the resumed stream of batches is the uninterrupted one
 (NOTE [ Demo ] in ``demo_child.py``). ``savable-loader inspect URL`` prints what a state file
 holds. ``savable-loader verify MODULE:FACTORY`` runs the resume-equivalence check
-(:func:`savable_loader.testing.verify`) on a user's pipeline. Reports go to stdout, errors
+(:func:`savable_loader.testing.verify`) on a user's pipeline. ``savable-loader counts
+{tar,jsonl} URL... --out URL`` writes a counts file. Reports go to stdout, errors
 to stderr as one line; exit codes: 0 success, 1 the demo or the check found a difference
 (or a demo process failed), 2 bad usage, an unreadable state or a factory that cannot be
 loaded.
 
-The package holds one module per command (``inspect.py``, ``verify.py``, ``demo.py``;
-the demo's pipeline and child processes in ``demo_child.py``); this one parses the
-arguments and dispatches.
+The package holds one module per command (``inspect.py``, ``verify.py``, ``counts.py``,
+``demo.py``; the demo's pipeline and child processes in ``demo_child.py``); this one
+parses the arguments and dispatches.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .._version import __version__
+from .counts import _counts, _counts_parser
 from .demo import _demo, _demo_settings
 from .demo_child import DemoPaths, run_child
 from .inspect import _inspect
@@ -41,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{_PROG} {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    commands = parser.add_subparsers(dest="command", metavar="{demo,inspect,verify}", required=True)
+    commands = parser.add_subparsers(
+        dest="command", metavar="{demo,inspect,verify,counts}", required=True
+    )
 
     demo = commands.add_parser(
         "demo",
@@ -70,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     _verify_parser(commands)
+    _counts_parser(commands)
 
     child = commands.add_parser("demo-child")  # internal: one process of the demo
     child.add_argument("mode", choices=("reference", "interrupted", "resumed"))
@@ -115,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "verify":
         return _verify(args)
+    if args.command == "counts":
+        return _counts(args)
     if args.command == "inspect":
         try:
             return _inspect(args.url, as_json=args.json)

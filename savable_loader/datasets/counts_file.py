@@ -116,7 +116,9 @@ def write_counts(
         for file, count, signature in zip(urls, counts, signatures, strict=True)
     ]
     content = CountsFile(format=FORMAT, version=1, source=source, files=files)
-    write_bytes(url, (content.model_dump_json(indent=1) + "\n").encode(), **storage_options)
+    local = "://" not in url or url.startswith("file://")  # the source's options are remote
+    options = {} if local else storage_options
+    write_bytes(url, (content.model_dump_json(indent=1) + "\n").encode(), **options)
 
 
 def fetch_counts(url: str, source: str, filesystem: Callable[[str], Any]) -> bytes:
