@@ -84,13 +84,18 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "usage: savable-loader counts" in capsys.readouterr().err
 
 
+def _upload(s3: S3, folder: Path, kind: str) -> None:
+    """Writes the test files of ``kind`` in ``folder`` and uploads them under ``kind/``."""
+    (_write_tar if kind == "tar" else _write_jsonl)(folder)
+    for path in sorted(folder.glob(f"*.{kind}")):
+        s3.put(f"{kind}/{path.name}", path.read_bytes())
+
+
 @S3FS_WARNINGS
 def test_on_s3_the_command_takes_the_credentials_of_the_environment(
     s3: S3, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _write_tar(tmp_path)
-    for path in sorted(tmp_path.glob("*.tar")):
-        s3.put(f"tar/{path.name}", path.read_bytes())
+    _upload(s3, tmp_path, "tar")
     options = s3.use_environment()  # AWS_* variables: no storage options needed
     out = s3.url("tar/counts.json")
     assert main(["counts", "tar", s3.url("tar/*.tar"), "--out", out]) == 0
@@ -104,9 +109,7 @@ def test_on_s3_the_command_takes_the_credentials_of_the_environment(
 def test_remote_files_with_storage_options_and_a_local_counts_file(
     s3: S3, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _write_jsonl(tmp_path)
-    for path in sorted(tmp_path.glob("*.jsonl")):
-        s3.put(f"jsonl/{path.name}", path.read_bytes())
+    _upload(s3, tmp_path, "jsonl")
     options = s3.options()
     out = tmp_path / "counts.json"  # local: the options are the files' only
     pattern = s3.url("jsonl/*.jsonl")
