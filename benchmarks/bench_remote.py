@@ -99,26 +99,20 @@ from savable_loader.datasets import JsonLinesSource, TableSource, TarSource, Tok
 BUCKET = "bench-remote"
 BATCH, WORKERS, ITEM_US, SEQ_LEN = 8, 2, 200.0, 256
 SOURCES = ("tar", "jsonl", "tokens", "table")
+#: The file sources' configurations (tar, jsonl), each with its local one.
+_FILE_BASELINES = {
+    "local": "local",
+    "s3-cache": "local",
+    "s3-direct": "local",
+    "local:files": "local:files",
+    "s3-cache:files": "local:files",
+    "local:counts": "local:counts",
+    "s3-cache:counts": "local:counts",
+}
 #: Per source, its configurations, each with the local one it is compared with.
 BASELINES: dict[str, dict[str, str]] = {
-    "tar": {
-        "local": "local",
-        "s3-cache": "local",
-        "s3-direct": "local",
-        "local:files": "local:files",
-        "s3-cache:files": "local:files",
-        "local:counts": "local:counts",
-        "s3-cache:counts": "local:counts",
-    },
-    "jsonl": {
-        "local": "local",
-        "s3-cache": "local",
-        "s3-direct": "local",
-        "local:files": "local:files",
-        "s3-cache:files": "local:files",
-        "local:counts": "local:counts",
-        "s3-cache:counts": "local:counts",
-    },
+    "tar": _FILE_BASELINES,
+    "jsonl": _FILE_BASELINES,
     "tokens": {"local": "local", "s3-cache": "local", "s3-direct": "local"},
     "table": {
         "local": "local",

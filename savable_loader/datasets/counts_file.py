@@ -91,6 +91,11 @@ def _folder(url: str) -> str:
     return url.rpartition("/")[0] + "/" if "/" in url else ""
 
 
+def _local(url: str) -> bool:
+    """Whether ``url`` is a local path (which takes no storage options)."""
+    return "://" not in url or url.startswith("file://")
+
+
 def write_counts(
     url: str,
     source: str,
@@ -116,8 +121,7 @@ def write_counts(
         for file, count, signature in zip(urls, counts, signatures, strict=True)
     ]
     content = CountsFile(format=FORMAT, version=1, source=source, files=files)
-    local = "://" not in url or url.startswith("file://")  # the source's options are remote
-    options = {} if local else storage_options
+    options = {} if _local(url) else storage_options  # the source's options are remote
     write_bytes(url, (content.model_dump_json(indent=1) + "\n").encode(), **options)
 
 
@@ -131,7 +135,7 @@ def fetch_counts(url: str, source: str, filesystem: Callable[[str], Any]) -> byt
         Exception: What the filesystem raised otherwise (the caller retries it).
     """
     try:
-        if "://" not in url or url.startswith("file://"):
+        if _local(url):
             return read_bytes(url)
         try:
             data: bytes = filesystem(url).cat_file(url, start=0)
@@ -174,12 +178,11 @@ def read_counts(raw: bytes, url: str, source: str) -> dict[str, FileCount]:
             f"samples are not {source}'s; write one with {source}(...).write_counts(url)"
         )
     folder = _folder(url)
-    return {
-        entry.name if "://" in entry.name or os.path.isabs(entry.name) else folder + entry.name: (
-            entry
-        )
+    whole = [
+        entry.name if "://" in entry.name or os.path.isabs(entry.name) else folder + entry.name
         for entry in content.files
-    }
+    ]
+    return dict(zip(whole, content.files, strict=True))
 
 
 def recorded_signature(entry: FileCount) -> dict[str, Any]:
