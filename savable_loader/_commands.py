@@ -16,12 +16,29 @@ Every wait in :meth:`CommandChannel.request` has a deadline and checks, a few ti
 second, that the worker is alive: a dead or hung worker raises :class:`WorkerError`
 naming it, never hangs. Commands are a name plus plain arguments, so the set is open:
 ``checkpoint``, ``stats`` and ``progress`` today.
+
+NOTE [ Stacks of a hung worker ]
+A worker that does not answer, or hangs in an item, is killed; what it was doing is the
+one thing its user needs to fix it, and a worker stuck with the GIL held cannot say it
+in Python. So each worker also gets a third pipe: at start it registers
+:mod:`faulthandler` for ``SIGUSR2`` on the pipe's write end (non-blocking, so a dump
+larger than the pipe is cut instead of blocking the worker) and writes one marker byte.
+Before the loader kills a hung worker, :meth:`CommandChannel.stacks` checks the marker,
+sends the signal and reads what faulthandler writes from the signal handler, in C,
+without the GIL: every thread's Python stack, which the loader's error then carries. A
+worker whose ``SIGUSR2`` was already taken (by the user's code) registers nothing and
+is not signalled; its error says the stacks are unavailable. Torch's workers use no
+``SIGUSR2`` of their own.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import logging
+import os
+import select
+import signal
 import threading
 import time
 import traceback
@@ -35,6 +52,14 @@ __all__ = ["CommandChannel", "CommandServer", "NoAnswerError"]
 logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.05
+#: NOTE [ Stacks of a hung worker ]: the signal, the marker, how long a dump may take to
+#: arrive, and the most of it an error carries.
+_STACKS_SIGNAL = getattr(signal, "SIGUSR2", None)
+_STACKS_MARKER = b"\0"
+_STACKS_SECONDS = 1.0
+_STACKS_MAX_BYTES = 32 * 1024
+#: The stacks pipes this worker process registered with faulthandler.
+_REGISTERED: list[Any] = []
 Handler = Callable[[dict[str, Any]], Any]
 
 
@@ -65,6 +90,12 @@ class CommandChannel:
         self.commands: list[tuple[Any, Any]] = commands
         #: Per worker: (the loader's end to read answers, the worker's end to send them).
         self.results: list[tuple[Any, Any]] = results
+        #: Per worker: (the loader's end to read stacks, the worker's end faulthandler
+        #: writes to) (NOTE [ Stacks of a hung worker ]).
+        self.stack_pipes: list[tuple[Any, Any]] = [
+            context.Pipe(duplex=False) for _ in range(num_workers)
+        ]
+        self._dumps = [_Dump() for _ in range(num_workers)]
         self._ids = itertools.count(1)
         self._closed = False
 
@@ -139,14 +170,59 @@ class CommandChannel:
                 raise WorkerError(f"worker {worker_id} failed {name!r}:\n{payload}")
             return payload
 
+    def stacks(self, worker_id: int, pid: int | None) -> str:
+        """Worker ``worker_id``'s threads' stacks, as faulthandler writes them when the
+        worker (process ``pid``) gets ``SIGUSR2``, or why they are unavailable (NOTE
+        [ Stacks of a hung worker ]). Waits at most about a second."""
+        if self._closed or pid is None:
+            return "(unavailable: the worker is gone)"
+        dump = self._dumps[worker_id]
+        fd = self.stack_pipes[worker_id][0].fileno()
+        dump.read(fd, 0.0)
+        if not dump.armed or _STACKS_SIGNAL is None:
+            return "(unavailable: the worker did not register SIGUSR2 for them)"
+        dump.text.clear()
+        try:
+            os.kill(pid, _STACKS_SIGNAL)
+        except OSError as error:
+            return f"(unavailable: {error})"
+        deadline = time.monotonic() + _STACKS_SECONDS
+        while time.monotonic() < deadline and dump.read(fd, deadline - time.monotonic()):
+            deadline = min(deadline, time.monotonic() + 0.1)  # the rest follows at once
+        text = bytes(dump.text[:_STACKS_MAX_BYTES]).decode(errors="replace").rstrip()
+        if not text:
+            return f"(unavailable: none arrived within {_STACKS_SECONDS:g} s)"
+        return text + ("\n(cut)" if len(dump.text) > _STACKS_MAX_BYTES else "")
+
     def close(self) -> None:
         """Closes the loader's end of every queue. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for pair in (*self.commands, *self.results):
+        for pair in (*self.commands, *self.results, *self.stack_pipes):
             for connection in pair:
                 connection.close()
+
+
+class _Dump:
+    """What the loader read so far from one worker's stacks pipe."""
+
+    def __init__(self) -> None:
+        self.armed = False  # the worker's marker arrived
+        self.text = bytearray()
+
+    def read(self, fd: int, timeout: float) -> bool:
+        """Reads what is there within ``timeout`` seconds; whether anything was."""
+        if not select.select([fd], [], [], max(timeout, 0.0))[0]:
+            return False
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return False
+        if chunk.startswith(_STACKS_MARKER) and not self.armed:
+            self.armed, chunk = True, chunk[len(_STACKS_MARKER) :]
+        self.text += chunk
+        return bool(chunk)
 
 
 class CommandServer:
@@ -155,18 +231,20 @@ class CommandServer:
     Requests that arrive before :meth:`ready` (the worker is still restoring) wait for
     it; if the worker failed to start, :meth:`fail` makes every request answer with
     that failure. Commands in ``immediate`` (``progress``) are answered at once, even
-    while the worker starts: they read nothing the start-up builds.
+    while the worker starts: they read nothing the start-up builds. :meth:`start` also
+    registers the worker's stacks for the loader (NOTE [ Stacks of a hung worker ]).
     """
 
     def __init__(
         self,
-        commands: Any,
-        results: Any,
+        channel: CommandChannel,
+        worker_id: int,
         handlers: dict[str, Handler],
         immediate: dict[str, Handler] | None = None,
     ) -> None:
-        self._commands = commands[0]
-        self._results = results[1]
+        self._commands = channel.commands[worker_id][0]
+        self._results = channel.results[worker_id][1]
+        self._stacks = channel.stack_pipes[worker_id][1]
         self._handlers = handlers
         self._immediate = immediate or {}
         self._ready = threading.Event()
@@ -176,7 +254,17 @@ class CommandServer:
         )
 
     def start(self) -> None:
+        self._register_stacks()
         self._thread.start()
+
+    def _register_stacks(self) -> None:
+        if _STACKS_SIGNAL is None or signal.getsignal(_STACKS_SIGNAL) != signal.SIG_DFL:
+            return
+        fd = self._stacks.fileno()
+        os.set_blocking(fd, False)
+        faulthandler.register(_STACKS_SIGNAL, file=fd, all_threads=True)
+        _REGISTERED.append(self._stacks)  # faulthandler holds the fd: keep it open
+        os.write(fd, _STACKS_MARKER)
 
     def ready(self) -> None:
         self._ready.set()

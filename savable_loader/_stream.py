@@ -87,10 +87,15 @@ class Hang(WorkerError):
             the loader's position can still be asked for.
     """
 
-    def __init__(self, message: str, *, workers: list[int], answering: bool) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, workers: list[int], answering: bool, stacks: str = ""
+    ) -> None:
+        super().__init__(message + stacks)
+        self.reason = message
         self.workers = workers
         self.answering = answering
+        #: The hung workers' stacks, a paragraph each (NOTE [ Stacks of a hung worker ]).
+        self.stacks = stacks
 
     def stopped(self, lost: str | None) -> WorkerError:
         """The error to raise once the loader stopped its workers after this hang;
@@ -101,7 +106,7 @@ class Hang(WorkerError):
             else "the loader stays after the last item handed on: iterating again "
             "restarts the workers there"
         )
-        return WorkerError(f"{self}. The loader stopped its workers; {then}.")
+        return WorkerError(f"{self.reason}. The loader stopped its workers; {then}.{self.stacks}")
 
 
 class Stream:
@@ -243,6 +248,7 @@ class Stream:
                 "; ".join(reasons) + "; it is hung or slower than allowed",
                 workers=hung,
                 answering=answering,
+                stacks=self.stacks(hung),
             )
 
     # -- commands ---------------------------------------------------------------------
@@ -266,7 +272,22 @@ class Stream:
             )
         except NoAnswerError as error:
             self.given_up.add(error.worker_id)
-            raise Hang(str(error), workers=[error.worker_id], answering=False) from None
+            stacks = self.stacks([error.worker_id])
+            raise Hang(
+                str(error), workers=[error.worker_id], answering=False, stacks=stacks
+            ) from None
+
+    def stacks(self, workers: Sequence[int]) -> str:
+        """The ``workers``' threads' stacks, a paragraph each after a blank line (NOTE
+        [ Stacks of a hung worker ] in ``_commands.py``)."""
+        channel = self.channel
+        if channel is None:
+            return ""
+        return "".join(
+            f"\n\nWorker {w}'s threads when the loader gave up on it (most recent call "
+            f"first):\n{channel.stacks(w, _torch_compat.worker_pid(self.iterator, w))}"
+            for w in workers
+        )
 
     def checkpoints(self, delivered: Sequence[int]) -> list[Checkpoint | None]:
         """Every worker's newest checkpoint at or before its ``delivered`` position (None:

@@ -67,7 +67,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import DataLoader
 from torch.utils.data._utils import signal_handling
@@ -119,6 +119,14 @@ def worker_alive(iterator: Any, worker_id: int) -> bool:
     if workers is None or worker_id >= len(workers):
         return False
     return bool(workers[worker_id].is_alive())
+
+
+def worker_pid(iterator: Any, worker_id: int) -> int | None:
+    """Worker ``worker_id``'s process id, while it runs; None otherwise."""
+    workers = getattr(iterator, "_workers", None)
+    if workers is None or worker_id >= len(workers) or not workers[worker_id].is_alive():
+        return None
+    return cast(int | None, workers[worker_id].pid)
 
 
 def worker_exit(iterator: Any, worker_id: int) -> str:

@@ -103,8 +103,8 @@ class WorkerWrapper(IterableDataset[Event]):
             return None if start.checkpoint is None else start.checkpoint.model_dump()
 
         server = CommandServer(
-            channel.commands[info.id],
-            channel.results[info.id],
+            channel,
+            info.id,
             {
                 "checkpoint": checkpoint,
                 "stats": lambda args: {"pid": os.getpid(), "seq": start.delivered},
@@ -128,8 +128,8 @@ class WorkerWrapper(IterableDataset[Event]):
         sys.setswitchinterval(min(sys.getswitchinterval(), _WORKER_SWITCH_INTERVAL))
         holder: list[PipelineRuntime] = []
         server = CommandServer(
-            channel.commands[info.id],
-            channel.results[info.id],
+            channel,
+            info.id,
             {
                 "checkpoint": lambda args: holder[0].checkpoint_for(args["delivered"]).model_dump(),
                 "stats": lambda args: holder[0].stats(),

@@ -1,0 +1,108 @@
+"""A hung worker's error carries what its threads were doing (NOTE [ Stacks of a hung
+worker ] in ``savable_loader/_commands.py``): hung in a sleep, stuck with the GIL held,
+frozen, with its ``SIGUSR2`` taken by the user's code, and under spawn."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from savable_loader import SavableDataLoader, WorkerConfig, WorkerError
+from savable_loader.datasets import IndexedDataset
+
+HUNG_AT = 5
+STACKS = "Worker 0's threads when the loader gave up on it (most recent call first):"
+
+
+def _sleeps(index: int) -> int:
+    if index == HUNG_AT:
+        time.sleep(60)
+    return index
+
+
+def _holds_the_gil(index: int) -> int:
+    if index == HUNG_AT:
+        ctypes.PyDLL(None).sleep(60)  # libc's sleep through PyDLL, which keeps the GIL
+    return index
+
+
+def _takes_sigusr2(worker_id: int) -> None:
+    marker = Path(os.environ["SAVABLE_LOADER_TEST_MARKER"])
+    signal.signal(signal.SIGUSR2, lambda *_: marker.write_text("signalled"))
+
+
+def _loader(fn: Any, config: WorkerConfig, **kwargs: Any) -> SavableDataLoader:
+    return SavableDataLoader(
+        IndexedDataset(range(4 * HUNG_AT)).map(fn),
+        batch_size=2,
+        num_workers=2,
+        worker_config=config,
+        **kwargs,
+    )
+
+
+def _error(loader: SavableDataLoader) -> tuple[list[list[int]], str]:
+    """The batches that arrived, and the error iterating raised."""
+    batches: list[list[int]] = []
+    with pytest.raises(WorkerError) as info:
+        batches.extend(batch.tolist() for batch in loader)
+    return batches, str(info.value)
+
+
+def test_an_item_that_hangs_names_the_line_it_hangs_on() -> None:
+    with _loader(_sleeps, WorkerConfig(item_timeout=1)) as loader:
+        batches, message = _error(loader)
+    assert "beyond WorkerConfig(item_timeout=1)" in message
+    head, _, stacks = message.partition(STACKS)
+    # The signal did not end the worker: it still told its position before it was killed.
+    assert "stays after the last item handed on" in head
+    assert f"line {_sleeps.__code__.co_firstlineno + 2} in _sleeps" in stacks
+    assert "in _serve" in stacks  # every thread, the command thread included
+    assert all(HUNG_AT not in batch for batch in batches)
+
+
+def test_a_worker_stuck_with_the_gil_held_still_shows_its_stack() -> None:
+    with _loader(_holds_the_gil, WorkerConfig(command_timeout=2)) as loader:
+        _, message = _error(loader)
+    assert "worker 0 did not answer 'progress' within 2 s" in message
+    assert "in _holds_the_gil" in message.partition(STACKS)[2]
+
+
+def test_a_frozen_worker_is_reported_without_stacks_after_a_bounded_wait() -> None:
+    with _loader(lambda i: i, WorkerConfig(command_timeout=1)) as loader:
+        stream = iter(loader)
+        next(stream)
+        pid = loader.worker_stats()[0]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            loader.save_state_rank()
+        elapsed = time.monotonic() - began
+    assert f"{STACKS}\n(unavailable: none arrived within 1 s)" in str(info.value)
+    assert elapsed < 1 + 1 + 5  # command_timeout, the stacks' wait, a margin
+
+
+def test_a_worker_whose_sigusr2_the_user_took_is_not_signalled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("SAVABLE_LOADER_TEST_MARKER", str(marker))
+    config = WorkerConfig(item_timeout=1)
+    with _loader(_sleeps, config, worker_init_fn=_takes_sigusr2) as loader:
+        _, message = _error(loader)
+    assert f"{STACKS}\n(unavailable: the worker did not register SIGUSR2 for them)" in message
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_spawned_worker_shows_its_stack() -> None:
+    config = WorkerConfig(item_timeout=1)
+    with _loader(_sleeps, config, multiprocessing_context="spawn") as loader:
+        _, message = _error(loader)
+    assert "in _sleeps" in message.partition(STACKS)[2]
