@@ -37,6 +37,12 @@ class WorkerWrapper(IterableDataset[Event]):
 
     The loader sets :attr:`spec` before torch starts the workers, so every start method
     carries it (and the command pipes) into the worker.
+
+    It is also what ``loader.dataset`` is (torch's iterators read that attribute), so it
+    answers for the user's dataset where torch's ``DataLoader`` would show it: ``len()``
+    is the user's dataset's (``len(loader.dataset)``, the PyTorch examples' sample count;
+    a ``TypeError`` for a dataset without one, as with torch), and an attribute the
+    wrapper does not have is read from the user's dataset (``loader.dataset.classes``).
     """
 
     def __init__(self, spec: RuntimeSpec) -> None:
@@ -46,6 +52,16 @@ class WorkerWrapper(IterableDataset[Event]):
         #: What the user's ``worker_init_fn`` raised in this worker, if it did.
         self.init_failure: Failure | None = None
         self._serving = False
+
+    def __len__(self) -> int:
+        return len(self.spec.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for what the wrapper lacks; "spec" is missing only while an
+        # unpickled copy (spawn) is being built, and dunders stay the wrapper's own.
+        if name == "spec" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.spec.dataset, name)
 
     def __iter__(self) -> Iterator[Event]:
         if self.init_failure is not None:

@@ -221,3 +221,38 @@ def test_what_stays_torchs_is_where_migrate_says() -> None:
         first, second = ({pid for batch in loader for pid in batch.tolist()} for _ in range(2))
         assert len(first) == 2
         assert first.isdisjoint(second)
+
+
+class Labelled(Numbers):
+    """A dataset with the attributes scripts read through ``loader.dataset``."""
+
+    classes = ("even", "odd")
+
+    @property
+    def targets(self) -> list[int]:
+        return [index % 2 for index in range(self.n)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_datasets_length_and_attributes_read_through_loader_dataset(workers: int) -> None:
+    """``len(loader.dataset)`` (the PyTorch examples' sample count) and attributes such as
+    ``loader.dataset.classes`` are the user's dataset's, as with torch; the wrapper still
+    runs the workers and pickles (spawn) with them."""
+    dataset = Labelled()
+    torchs = DataLoader(dataset, batch_size=4, num_workers=workers)
+    with SavableDataLoader(dataset, batch_size=4, num_workers=workers) as ours:
+        for name in ("classes", "targets", "n"):
+            assert getattr(ours.dataset, name) == getattr(torchs.dataset, name), name
+        assert len(ours.dataset) == len(torchs.dataset) == 23
+        with pytest.raises(AttributeError, match="'Labelled' object has no attribute 'nope'"):
+            _ = ours.dataset.nope
+        assert len(pickle.loads(pickle.dumps(ours.dataset))) == 23
+        assert [b.tolist() for b in ours] == [b.tolist() for b in torchs]
+
+
+def test_an_iterable_datasets_missing_length_is_torchs_error() -> None:
+    with pytest.raises(TypeError) as torchs:
+        len(DataLoader(Stream()).dataset)
+    with SavableDataLoader(Stream()) as loader, pytest.raises(TypeError) as ours:
+        len(loader.dataset)
+    assert str(ours.value) == str(torchs.value)
