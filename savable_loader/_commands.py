@@ -27,7 +27,9 @@ Before the loader kills a hung worker, :meth:`CommandChannel.stacks` checks the 
 sends the signal and reads what faulthandler writes from the signal handler, in C,
 without the GIL: every thread's Python stack, which the loader's error then carries. A
 worker whose ``SIGUSR2`` was already taken (by the user's code) registers nothing and
-is not signalled; its error says the stacks are unavailable. Torch's workers use no
+is not signalled, and says so with another marker byte; a worker that wrote no marker
+hung before the loader's code ran in it (in torch's worker start-up or the user's
+``worker_init_fn``), which its error says instead of stacks. Torch's workers use no
 ``SIGUSR2`` of their own.
 """
 
@@ -55,7 +57,8 @@ _POLL_SECONDS = 0.05
 #: NOTE [ Stacks of a hung worker ]: the signal, the marker, how long a dump may take to
 #: arrive, and the most of it an error carries.
 _STACKS_SIGNAL = getattr(signal, "SIGUSR2", None)
-_STACKS_MARKER = b"\0"
+_STACKS_MARKER = b"\0"  # registered
+_STACKS_TAKEN = b"\1"  # not registered: the user's code holds SIGUSR2
 _STACKS_SECONDS = 1.0
 _STACKS_MAX_BYTES = 32 * 1024
 #: The stacks pipes this worker process registered with faulthandler.
@@ -179,8 +182,13 @@ class CommandChannel:
         dump = self._dumps[worker_id]
         fd = self.stack_pipes[worker_id][0].fileno()
         dump.read(fd, 0.0)
+        if dump.taken:
+            return "(unavailable: the worker's SIGUSR2 was taken by other code)"
         if not dump.armed or _STACKS_SIGNAL is None:
-            return "(unavailable: the worker did not register SIGUSR2 for them)"
+            return (
+                "(unavailable: the worker had not reached the loader's code, so it hung "
+                "in torch's worker start-up or in worker_init_fn)"
+            )
         dump.text.clear()
         try:
             os.kill(pid, _STACKS_SIGNAL)
@@ -208,7 +216,8 @@ class _Dump:
     """What the loader read so far from one worker's stacks pipe."""
 
     def __init__(self) -> None:
-        self.armed = False  # the worker's marker arrived
+        self.armed = False  # the worker registered its stacks
+        self.taken = False  # the worker found SIGUSR2 taken
         self.text = bytearray()
 
     def read(self, fd: int, timeout: float) -> bool:
@@ -219,8 +228,9 @@ class _Dump:
             chunk = os.read(fd, 65536)
         except OSError:
             return False
-        if chunk.startswith(_STACKS_MARKER) and not self.armed:
-            self.armed, chunk = True, chunk[len(_STACKS_MARKER) :]
+        if not (self.armed or self.taken) and chunk[:1] in (_STACKS_MARKER, _STACKS_TAKEN):
+            self.armed, self.taken = chunk[:1] == _STACKS_MARKER, chunk[:1] == _STACKS_TAKEN
+            chunk = chunk[1:]
         self.text += chunk
         return bool(chunk)
 
@@ -258,9 +268,12 @@ class CommandServer:
         self._thread.start()
 
     def _register_stacks(self) -> None:
-        if _STACKS_SIGNAL is None or signal.getsignal(_STACKS_SIGNAL) != signal.SIG_DFL:
+        if _STACKS_SIGNAL is None:
             return
         fd = self._stacks.fileno()
+        if signal.getsignal(_STACKS_SIGNAL) != signal.SIG_DFL:
+            os.write(fd, _STACKS_TAKEN)
+            return
         os.set_blocking(fd, False)
         faulthandler.register(_STACKS_SIGNAL, file=fd, all_threads=True)
         _REGISTERED.append(self._stacks)  # faulthandler holds the fd: keep it open

@@ -37,6 +37,11 @@ def _takes_sigusr2(worker_id: int) -> None:
     signal.signal(signal.SIGUSR2, lambda *_: marker.write_text("signalled"))
 
 
+def _init_hangs(worker_id: int) -> None:
+    if worker_id == 0:
+        time.sleep(60)
+
+
 def _loader(fn: Any, config: WorkerConfig, **kwargs: Any) -> SavableDataLoader:
     return SavableDataLoader(
         IndexedDataset(range(4 * HUNG_AT)).map(fn),
@@ -96,8 +101,19 @@ def test_a_worker_whose_sigusr2_the_user_took_is_not_signalled(
     config = WorkerConfig(item_timeout=1)
     with _loader(_sleeps, config, worker_init_fn=_takes_sigusr2) as loader:
         _, message = _error(loader)
-    assert f"{STACKS}\n(unavailable: the worker did not register SIGUSR2 for them)" in message
+    assert f"{STACKS}\n(unavailable: the worker's SIGUSR2 was taken by other code)" in message
     assert not marker.exists()
+
+
+def test_a_worker_hung_before_the_loaders_code_is_told_apart() -> None:
+    config = WorkerConfig(command_timeout=2)
+    with _loader(_sleeps, config, worker_init_fn=_init_hangs) as loader:
+        _, message = _error(loader)
+    assert "worker 0 did not answer 'progress' within 2 s" in message
+    assert (
+        f"{STACKS}\n(unavailable: the worker had not reached the loader's code, so it hung in "
+        "torch's worker start-up or in worker_init_fn)"
+    ) in message
 
 
 @pytest.mark.slow
