@@ -64,6 +64,15 @@ class Book:
             self.epoch, list(self.delivered), list(self.ended), self.next_worker, list(self.resume)
         )
 
+    def unmoved(self, started: Book, workers: list[int]) -> dict[int, Checkpoint | None]:
+        """The start checkpoints of those of ``workers`` that handed nothing on since the
+        book stood at ``started``: their position, without asking them."""
+        return {
+            w: started.resume[w]
+            for w in workers
+            if self.epoch == started.epoch and self.delivered[w] == started.delivered[w]
+        }
+
     def starts(self, *, new_epoch: bool) -> tuple[WorkerStart, ...]:
         """How every worker starts from here (NOTE [ Worker order ])."""
         return tuple(

@@ -20,17 +20,18 @@ naming it, never hangs. Commands are a name plus plain arguments, so the set is 
 NOTE [ Stacks of a hung worker ]
 A worker that does not answer, or hangs in an item, is killed; what it was doing is the
 one thing its user needs to fix it, and a worker stuck with the GIL held cannot say it
-in Python. So each worker also gets a third pipe: at start it registers
-:mod:`faulthandler` for ``SIGUSR2`` on the pipe's write end (non-blocking, so a dump
-larger than the pipe is cut instead of blocking the worker) and writes one marker byte.
-Before the loader kills a hung worker, :meth:`CommandChannel.stacks` checks the marker,
-sends the signal and reads what faulthandler writes from the signal handler, in C,
-without the GIL: every thread's Python stack, which the loader's error then carries. A
-worker whose ``SIGUSR2`` was already taken (by the user's code) registers nothing and
-is not signalled, and says so with another marker byte; a worker that wrote no marker
-hung before the loader's code ran in it (in torch's worker start-up or the user's
-``worker_init_fn``), which its error says instead of stacks. Torch's workers use no
-``SIGUSR2`` of their own.
+in Python. So each worker also gets a third pipe. The first thing the loader's code
+does in a worker (:func:`register_stacks`, from the loader's ``worker_init_fn``, before
+the user's) is to register :mod:`faulthandler` for ``SIGUSR2`` on the pipe's write end
+(non-blocking, so a dump larger than the pipe is cut instead of blocking the worker) and
+write a marker byte. Before the loader kills a hung worker, :meth:`CommandChannel.stacks`
+checks the marker, sends the signal and reads what faulthandler writes from the signal
+handler, in C, without the GIL: every thread's Python stack, which the loader's error
+then carries. A worker whose ``SIGUSR2`` is someone else's (a handler the process had,
+or one the user's ``worker_init_fn`` installs) writes another marker and is not
+signalled. A worker that wrote no marker at all hung before the loader's code ran in it,
+in torch's worker start-up: NOTE [ Workers that never started ] in ``_iterator.py``. Torch's
+workers use no ``SIGUSR2`` of their own.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ from typing import Any
 
 from .errors import WorkerError
 
-__all__ = ["CommandChannel", "CommandServer", "NoAnswerError"]
+__all__ = [
+    "CommandChannel",
+    "CommandServer",
+    "NoAnswerError",
+    "check_stacks_signal",
+    "register_stacks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -105,16 +112,17 @@ class CommandChannel:
     def request(
         self,
         name: str,
-        arguments: Sequence[dict[str, Any]],
+        arguments: Sequence[dict[str, Any] | None],
         *,
         timeout: float,
         is_alive: Callable[[int], bool],
     ) -> list[Any]:
-        """Sends command ``name`` to every worker and returns their answers in worker order.
+        """Sends command ``name`` to the workers and returns their answers in worker order.
 
         Args:
             name: The command.
-            arguments: One argument dict per worker.
+            arguments: One argument dict per worker; None: that worker is not asked,
+                and its answer is None.
             timeout: Seconds to wait for all answers together.
             is_alive: Tells whether worker ``i``'s process is still running.
 
@@ -124,13 +132,17 @@ class CommandChannel:
         if self._closed:
             raise WorkerError(f"cannot send {name!r}: the workers' command channel is closed")
         request_id = next(self._ids)
+        asked = [w for w, args in enumerate(arguments) if args is not None]
         for (_, send), args in zip(self.commands, arguments, strict=True):
-            send.send((request_id, name, args))
+            if args is not None:
+                send.send((request_id, name, args))
         deadline = time.monotonic() + timeout
-        return [
-            self._await(worker_id, request_id, name, deadline, timeout, is_alive)
-            for worker_id in range(len(self.commands))
-        ]
+        answers: list[Any] = [None] * len(arguments)
+        for worker_id in asked:
+            answers[worker_id] = self._await(
+                worker_id, request_id, name, deadline, timeout, is_alive
+            )
+        return answers
 
     def _await(
         self,
@@ -173,6 +185,13 @@ class CommandChannel:
                 raise WorkerError(f"worker {worker_id} failed {name!r}:\n{payload}")
             return payload
 
+    def reached(self, worker_id: int) -> bool:
+        """Whether the loader's code ran in worker ``worker_id`` (its first marker came)."""
+        dump = self._dumps[worker_id]
+        if not (self._closed or dump.armed or dump.taken):
+            dump.read(self.stack_pipes[worker_id][0].fileno(), 0.0)
+        return dump.armed or dump.taken
+
     def stacks(self, worker_id: int, pid: int | None) -> str:
         """Worker ``worker_id``'s threads' stacks, as faulthandler writes them when the
         worker (process ``pid``) gets ``SIGUSR2``, or why they are unavailable (NOTE
@@ -183,11 +202,11 @@ class CommandChannel:
         fd = self.stack_pipes[worker_id][0].fileno()
         dump.read(fd, 0.0)
         if dump.taken:
-            return "(unavailable: the worker's SIGUSR2 was taken by other code)"
+            return "(unavailable: the worker's SIGUSR2 has another handler)"
         if not dump.armed or _STACKS_SIGNAL is None:
             return (
-                "(unavailable: the worker had not reached the loader's code, so it hung "
-                "in torch's worker start-up or in worker_init_fn)"
+                "(unavailable: the worker had not reached the loader's code: it hung in "
+                "torch's worker start-up, before worker_init_fn)"
             )
         dump.text.clear()
         try:
@@ -212,6 +231,32 @@ class CommandChannel:
                 connection.close()
 
 
+def register_stacks(channel: CommandChannel, worker_id: int) -> None:
+    """In worker ``worker_id``: lets the loader ask for its stacks (NOTE [ Stacks of a
+    hung worker ]); unless ``SIGUSR2`` has a handler already, which the marker says."""
+    if _STACKS_SIGNAL is None:
+        return
+    pipe = channel.stack_pipes[worker_id][1]
+    fd = pipe.fileno()
+    if signal.getsignal(_STACKS_SIGNAL) != signal.SIG_DFL:
+        os.write(fd, _STACKS_TAKEN)
+        return
+    os.set_blocking(fd, False)
+    faulthandler.register(_STACKS_SIGNAL, file=fd, all_threads=True)
+    _REGISTERED.append(pipe)  # faulthandler holds the fd: keep it open
+    os.write(fd, _STACKS_MARKER)
+
+
+def check_stacks_signal(channel: CommandChannel, worker_id: int) -> None:
+    """In worker ``worker_id``, after the user's ``worker_init_fn``: tells the loader not
+    to signal it if that function took ``SIGUSR2`` (a Python handler replaces
+    faulthandler's)."""
+    if _STACKS_SIGNAL is None or not _REGISTERED:
+        return
+    if signal.getsignal(_STACKS_SIGNAL) != signal.SIG_DFL:
+        os.write(channel.stack_pipes[worker_id][1].fileno(), _STACKS_TAKEN)
+
+
 class _Dump:
     """What the loader read so far from one worker's stacks pipe."""
 
@@ -228,8 +273,9 @@ class _Dump:
             chunk = os.read(fd, 65536)
         except OSError:
             return False
-        if not (self.armed or self.taken) and chunk[:1] in (_STACKS_MARKER, _STACKS_TAKEN):
-            self.armed, self.taken = chunk[:1] == _STACKS_MARKER, chunk[:1] == _STACKS_TAKEN
+        while not self.text and chunk[:1] in (_STACKS_MARKER, _STACKS_TAKEN):
+            self.armed |= chunk[:1] == _STACKS_MARKER
+            self.taken |= chunk[:1] == _STACKS_TAKEN
             chunk = chunk[1:]
         self.text += chunk
         return bool(chunk)
@@ -241,8 +287,7 @@ class CommandServer:
     Requests that arrive before :meth:`ready` (the worker is still restoring) wait for
     it; if the worker failed to start, :meth:`fail` makes every request answer with
     that failure. Commands in ``immediate`` (``progress``) are answered at once, even
-    while the worker starts: they read nothing the start-up builds. :meth:`start` also
-    registers the worker's stacks for the loader (NOTE [ Stacks of a hung worker ]).
+    while the worker starts: they read nothing the start-up builds.
     """
 
     def __init__(
@@ -254,7 +299,6 @@ class CommandServer:
     ) -> None:
         self._commands = channel.commands[worker_id][0]
         self._results = channel.results[worker_id][1]
-        self._stacks = channel.stack_pipes[worker_id][1]
         self._handlers = handlers
         self._immediate = immediate or {}
         self._ready = threading.Event()
@@ -264,20 +308,7 @@ class CommandServer:
         )
 
     def start(self) -> None:
-        self._register_stacks()
         self._thread.start()
-
-    def _register_stacks(self) -> None:
-        if _STACKS_SIGNAL is None:
-            return
-        fd = self._stacks.fileno()
-        if signal.getsignal(_STACKS_SIGNAL) != signal.SIG_DFL:
-            os.write(fd, _STACKS_TAKEN)
-            return
-        os.set_blocking(fd, False)
-        faulthandler.register(_STACKS_SIGNAL, file=fd, all_threads=True)
-        _REGISTERED.append(self._stacks)  # faulthandler holds the fd: keep it open
-        os.write(fd, _STACKS_MARKER)
 
     def ready(self) -> None:
         self._ready.set()

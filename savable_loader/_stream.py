@@ -56,9 +56,10 @@ naming the worker, from the next ``next()``, save or restore.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -74,6 +75,8 @@ from .state.models import Checkpoint
 
 __all__ = ["Hang", "Stream"]
 
+logger = logging.getLogger(__name__)
+
 _DEATH_GRACE_SECONDS = 2.0
 _MAX_POLL_SECONDS = 1.0
 
@@ -88,14 +91,32 @@ class Hang(WorkerError):
     """
 
     def __init__(
-        self, message: str, *, workers: list[int], answering: bool, stacks: str = ""
+        self,
+        message: str,
+        *,
+        workers: list[int],
+        answering: bool,
+        stacks: str = "",
+        unstarted: Sequence[int] = (),
     ) -> None:
         super().__init__(message + stacks)
         self.reason = message
         self.workers = workers
         self.answering = answering
+        #: The hung workers the loader's code never ran in (NOTE [ Workers that never
+        #: started ] in ``_iterator.py``): they handed nothing on.
+        self.unstarted = list(unstarted)
         #: The hung workers' stacks, a paragraph each (NOTE [ Stacks of a hung worker ]).
         self.stacks = stacks
+
+    def restarts(self, lost: str | None) -> bool:
+        """Whether the loader starts its workers again after this hang, which it then
+        logs: every hung worker never started and the position was kept (NOTE [ Workers
+        that never started ] in ``_iterator.py``)."""
+        if lost is not None or not set(self.workers) <= set(self.unstarted):
+            return False
+        logger.warning("%s; the loader starts its workers again", self.reason)
+        return True
 
     def stopped(self, lost: str | None) -> WorkerError:
         """The error to raise once the loader stopped its workers after this hang;
@@ -253,7 +274,7 @@ class Stream:
 
     # -- commands ---------------------------------------------------------------------
 
-    def _request(self, name: str, arguments: Sequence[dict[str, Any]]) -> list[Any]:
+    def _request(self, name: str, arguments: Sequence[dict[str, Any] | None]) -> list[Any]:
         """Sends a command to every worker (NOTE [ Command channel ] in ``_commands.py``).
 
         Raises:
@@ -271,10 +292,15 @@ class Stream:
                 is_alive=lambda w: _torch_compat.worker_alive(iterator, w),
             )
         except NoAnswerError as error:
-            self.given_up.add(error.worker_id)
-            stacks = self.stacks([error.worker_id])
+            worker_id = error.worker_id
+            self.given_up.add(worker_id)
+            reached = self.channel.reached(worker_id)
             raise Hang(
-                str(error), workers=[error.worker_id], answering=False, stacks=stacks
+                str(error),
+                workers=[worker_id],
+                answering=False,
+                stacks=self.stacks([worker_id]),
+                unstarted=() if reached else [worker_id],
             ) from None
 
     def stacks(self, workers: Sequence[int]) -> str:
@@ -289,9 +315,12 @@ class Stream:
             for w in workers
         )
 
-    def checkpoints(self, delivered: Sequence[int]) -> list[Checkpoint | None]:
+    def checkpoints(
+        self, delivered: Sequence[int], known: Mapping[int, Checkpoint | None] | None = None
+    ) -> list[Checkpoint | None]:
         """Every worker's newest checkpoint at or before its ``delivered`` position (None:
-        the pipeline's initial state, from a worker whose ``worker_init_fn`` raised).
+        the pipeline's initial state, from a worker whose ``worker_init_fn`` raised); the
+        workers in ``known`` are not asked: theirs is given.
 
         Raises:
             WorkerError: A worker is dead or did not answer within its command timeout.
@@ -301,8 +330,15 @@ class Stream:
             if runtime is None:
                 raise WorkerError("internal error: the pipeline has not started; please report")
             return [runtime.checkpoint_for(delivered[0])]
-        answers = self._request("checkpoint", [{"delivered": d} for d in delivered])
-        return [None if a is None else Checkpoint.model_validate(a) for a in answers]
+        known = known or {}
+        answers = self._request(
+            "checkpoint",
+            [None if w in known else {"delivered": d} for w, d in enumerate(delivered)],
+        )
+        return [
+            known[w] if w in known else None if a is None else Checkpoint.model_validate(a)
+            for w, a in enumerate(answers)
+        ]
 
     def stats(self) -> list[dict[str, Any]]:
         """Every worker's figures (``PipelineRuntime.stats``)."""

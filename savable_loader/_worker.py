@@ -22,7 +22,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import _torch_compat
-from ._commands import CommandServer
+from ._commands import CommandServer, check_stacks_signal, register_stacks
 from ._events import IDLE, PRODUCING, STARTING, Event, Failure, Progress
 from ._runtime import PipelineRuntime, RuntimeSpec, WorkerStart
 from .errors import WorkerError
@@ -183,10 +183,15 @@ class WorkerInit:
         if not isinstance(wrapper, WorkerWrapper):
             raise WorkerError(f"internal error: the worker iterates {wrapper!r}; please report")
         _torch_compat.set_worker_dataset(info, wrapper.spec.dataset)
+        channel = wrapper.spec.channel
+        if channel is not None:  # NOTE [ Stacks of a hung worker ] in _commands.py
+            register_stacks(channel, worker_id)
         if self.user_fn is None:
             return
         try:
             self.user_fn(worker_id)
+            if channel is not None:
+                check_stacks_signal(channel, worker_id)
         except Exception as error:
             seq = wrapper._start_of(worker_id).delivered
             wrapper.init_failure = Failure.of(

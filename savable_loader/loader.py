@@ -172,6 +172,7 @@ class SavableDataLoader(DataLoader[Any]):
         self._broken: str | None = None
         self._closed = False
         self._last_worker: int | None = None
+        self._retries = 2  # NOTE [ Workers that never started ] in _iterator.py
 
     # -- iteration --------------------------------------------------------------------
 
@@ -234,7 +235,11 @@ class SavableDataLoader(DataLoader[Any]):
                     self._stop_stream()
                 raise
             except Hang as hang:
-                raise hang.stopped(self._halt(hung=hang.workers, ask=hang.answering)) from None
+                lost = self._halt(hang)
+                if self._retries and hang.restarts(lost):
+                    self._retries -= 1
+                    continue
+                raise hang.stopped(lost) from None
             except Exception as error:
                 # Whatever surfaces when a worker dies (torch's RuntimeError, a reset
                 # connection while fetching a tensor it shared) becomes a WorkerError.
@@ -248,7 +253,7 @@ class SavableDataLoader(DataLoader[Any]):
             self._book.hand_on(worker_id, seq, kind)
             if kind == END:
                 continue
-            self._last_worker = worker_id if self.num_workers > 0 else None
+            self._last_worker, self._retries = worker_id if self.num_workers else None, 2
             return payload
 
     @property
@@ -279,25 +284,27 @@ class SavableDataLoader(DataLoader[Any]):
             f"(restore_state_rank) to resume ({error})"
         ) from error
 
-    def _halt(self, *, hung: Sequence[int] = (), ask: bool = True) -> str | None:
+    def _halt(self, hang: Hang | None = None) -> str | None:
         """Stops the stream after an error, keeping the position. Returns why the position
         was lost, or None when it was kept.
 
         Args:
-            hung: Workers to kill first (NOTE [ Watchdog ] in ``_stream.py``), after
-                asking for the position.
-            ask: Whether every worker can answer for its position; if not, the position
-                is kept only when nothing was handed on since the stream started.
+            hang: The workers found hung, killed after the position is asked for (NOTE
+                [ Watchdog ] in ``_stream.py``). When they cannot answer, the position is
+                kept if nothing was handed on since the stream started, or if they never
+                started (NOTE [ Workers that never started ] in ``_iterator.py``).
         """
+        hung, unstarted = (hang.workers, hang.unstarted) if hang else ([], [])
         stream = self._stream
         if stream is None:
             return self._broken
         try:
             if self._book != self._started:
                 self.layout.check_savable()  # no position to go back to
-                if not ask:
+                known = self._book.unmoved(self._started, unstarted)
+                if hang and not hang.answering and not set(hung) <= set(known):
                     raise WorkerError(f"hung worker(s) {list(hung)} cannot answer")
-                self._book.resume = stream.checkpoints(self._book.delivered)
+                self._book.resume = stream.checkpoints(self._book.delivered, known)
         except Exception as error:  # a dead or hung worker: WorkerError, torch's RuntimeError
             self._broken = (
                 f"after an error the loader could not get its workers' checkpoints ({error}); "
@@ -340,7 +347,7 @@ class SavableDataLoader(DataLoader[Any]):
         try:
             return list(stream.checkpoints(self._book.delivered))
         except Hang as hang:  # NOTE [ Workers given up on ] in _stream.py
-            raise hang.stopped(self._halt(hung=hang.workers, ask=hang.answering)) from None
+            raise hang.stopped(self._halt(hang)) from None
         except (RuntimeError, OSError, EOFError) as error:  # WorkerError included
             self._raise_if_workers_died(error, "during a save")
             raise

@@ -30,6 +30,13 @@ from typing import Any
 Job = Callable[[int, int, Path], Any]
 #: Seconds gloo's threads get before a group is destroyed (see destroy_process_group).
 _GLOO_SETTLE_SECONDS = 0.1
+#: How long a collective waits for the other ranks (init_process_group's timeout).
+_COLLECTIVE_TIMEOUT_SECONDS = 100
+#: The command_timeout of the jobs' loaders: a worker forked while a gloo thread held
+#: CPython's thread-state lock (python/cpython#112275) hangs before the loader's code
+#: runs; the loader starts its workers again after this long (NOTE [ Workers that never
+#: started ] in savable_loader/_iterator.py), well within the collective timeout.
+COMMAND_TIMEOUT = 20.0
 
 
 def _stacks_file(tmp: str, port: int, rank: int) -> Path:
@@ -61,7 +68,10 @@ def _run_rank(
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            # Beyond the 20 s command_timeout of the jobs' loaders: a worker that hangs
+            # in its start-up is found and started again while the other ranks wait
+            # (NOTE [ Workers that never started ] in savable_loader/_iterator.py).
+            timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_SECONDS),
         )
         try:
             out.put((rank, "ok", job(rank, world_size, Path(tmp))))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gloo import in_rank_order, outcome, run_ranks
+from gloo import COMMAND_TIMEOUT, in_rank_order, outcome, run_ranks
 from processes import kill
 
 pytestmark = pytest.mark.slow
@@ -30,10 +30,16 @@ JOB_TIMEOUT = 150.0  # a hang is still caught; a loaded 2-core CI machine is slo
 # -- what runs in each rank ----------------------------------------------------------------
 
 
+def _config() -> Any:
+    from savable_loader import WorkerConfig
+
+    return WorkerConfig(command_timeout=COMMAND_TIMEOUT)
+
+
 def _loader() -> Any:
     from savable_loader import SavableDataLoader
 
-    return SavableDataLoader(DATA, batch_size=2, num_workers=2, seed=0)
+    return SavableDataLoader(DATA, batch_size=2, num_workers=2, seed=0, worker_config=_config())
 
 
 def _shuffle_loader() -> Any:
@@ -42,7 +48,7 @@ def _shuffle_loader() -> Any:
     from savable_loader.datasets import IndexedDataset
 
     pipeline = IndexedDataset(DATA).shuffle(buffer_size=8, seed=0)
-    return SavableDataLoader(pipeline, batch_size=2, num_workers=2, seed=0)
+    return SavableDataLoader(pipeline, batch_size=2, num_workers=2, seed=0, worker_config=_config())
 
 
 def _epoch(loader: Any) -> list[list[int]]:

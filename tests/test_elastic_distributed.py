@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gloo import in_rank_order, outcome, run_ranks
+from gloo import COMMAND_TIMEOUT, in_rank_order, outcome, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -93,9 +93,12 @@ def _pipeline(kind: str) -> Any:
 def _loader(kind: str, workers: int) -> Any:
     """This rank's loader: the rank and world size come from torch.distributed, or are
     0 of 1 without it."""
-    from savable_loader import SavableDataLoader
+    from savable_loader import SavableDataLoader, WorkerConfig
 
-    return SavableDataLoader(_pipeline(kind), batch_size=BATCH, num_workers=workers, seed=SEED)
+    config = WorkerConfig(command_timeout=COMMAND_TIMEOUT)
+    return SavableDataLoader(
+        _pipeline(kind), batch_size=BATCH, num_workers=workers, seed=SEED, worker_config=config
+    )
 
 
 def _epoch(loader: Any) -> list[list[int]]:
