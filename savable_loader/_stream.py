@@ -103,8 +103,8 @@ class Hang(WorkerError):
         self.reason = message
         self.workers = workers
         self.answering = answering
-        #: The hung workers the loader's code never ran in (NOTE [ Workers that never
-        #: started ] in ``_iterator.py``): they handed nothing on.
+        #: The hung workers the loader's code never ran in: they handed nothing on
+        #: (NOTE [ Workers that never started ] in ``_iterator.py``).
         self.unstarted = list(unstarted)
         #: The hung workers' stacks, a paragraph each (NOTE [ Stacks of a hung worker ]).
         self.stacks = stacks

@@ -285,25 +285,18 @@ class SavableDataLoader(DataLoader[Any]):
         ) from error
 
     def _halt(self, hang: Hang | None = None) -> str | None:
-        """Stops the stream after an error, keeping the position. Returns why the position
-        was lost, or None when it was kept.
-
-        Args:
-            hang: The workers found hung, killed after the position is asked for (NOTE
-                [ Watchdog ] in ``_stream.py``). When they cannot answer, the position is
-                kept if nothing was handed on since the stream started, or if they never
-                started (NOTE [ Workers that never started ] in ``_iterator.py``).
-        """
-        hung, unstarted = (hang.workers, hang.unstarted) if hang else ([], [])
+        """Stops the stream after an error, keeping the position if the workers tell it,
+        nothing was handed on, or a ``hang``'s workers never started (NOTE [ Workers that
+        never started ] in _iterator.py); returns why it was lost, or None."""
         stream = self._stream
         if stream is None:
             return self._broken
         try:
             if self._book != self._started:
                 self.layout.check_savable()  # no position to go back to
-                known = self._book.unmoved(self._started, unstarted)
-                if hang and not hang.answering and not set(hung) <= set(known):
-                    raise WorkerError(f"hung worker(s) {list(hung)} cannot answer")
+                known = self._book.unmoved(self._started, hang.unstarted if hang else [])
+                if hang and not hang.answering and not set(hang.workers) <= set(known):
+                    raise WorkerError(f"hung worker(s) {hang.workers} cannot answer")
                 self._book.resume = stream.checkpoints(self._book.delivered, known)
         except Exception as error:  # a dead or hung worker: WorkerError, torch's RuntimeError
             self._broken = (
@@ -311,7 +304,7 @@ class SavableDataLoader(DataLoader[Any]):
                 "restore a saved state with restore_state_rank() (or restore_state_rank(None) "
                 "to start over)"
             )
-        stream.kill(hung)
+        stream.kill(hang.workers if hang else [])
         self._stop_stream()
         return self._broken
 
