@@ -27,9 +27,9 @@ NOTE [ Workers that never started ]
 A worker can hang before any of the loader's code runs in it, in torch's start-up of the
 process: CPython up to 3.11.7 can deadlock a child forked while another thread (a gloo
 thread of ``torch.distributed`` dropping a finished collective's tensors) holds the
-interpreter's thread-state lock (python/cpython#112275), and glibc leaves a C++ static's
-``atexit`` lock held the same way (pytorch/pytorch#130610); torch's own ``DataLoader``
-then waits forever. The watchdog finds such a worker after ``command_timeout`` (its
+interpreter's thread-state lock (python/cpython#112275), and glibc can leave a C++
+static's ``atexit`` lock held the same way (pytorch/pytorch#130610); torch's own
+``DataLoader`` then waits forever. The watchdog finds such a worker after ``command_timeout`` (its
 stacks pipe never got a marker: NOTE [ Stacks of a hung worker ] in ``_commands.py``).
 It handed nothing on, so its position is the checkpoint it started from, and the
 loader's position is kept whatever the other workers delivered. The loader then stops
