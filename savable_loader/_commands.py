@@ -196,6 +196,8 @@ class CommandChannel:
         """Worker ``worker_id``'s threads' stacks, as faulthandler writes them when the
         worker (process ``pid``) gets ``SIGUSR2``, or why they are unavailable (NOTE
         [ Stacks of a hung worker ]). Waits at most about a second."""
+        if _STACKS_SIGNAL is None:
+            return "(unavailable: this platform has no SIGUSR2)"
         if self._closed or pid is None:
             return "(unavailable: the worker is gone)"
         dump = self._dumps[worker_id]
@@ -203,7 +205,7 @@ class CommandChannel:
         dump.read(fd, 0.0)
         if dump.taken:
             return "(unavailable: the worker's SIGUSR2 has another handler)"
-        if not dump.armed or _STACKS_SIGNAL is None:
+        if not dump.armed:
             return (
                 "(unavailable: the worker had not reached the loader's code: it hung in "
                 "torch's worker start-up, before worker_init_fn)"
@@ -234,12 +236,10 @@ class CommandChannel:
 def register_stacks(channel: CommandChannel, worker_id: int) -> None:
     """In worker ``worker_id``: lets the loader ask for its stacks (NOTE [ Stacks of a
     hung worker ]); unless ``SIGUSR2`` has a handler already, which the marker says."""
-    if _STACKS_SIGNAL is None:
-        return
     pipe = channel.stack_pipes[worker_id][1]
     fd = pipe.fileno()
-    if signal.getsignal(_STACKS_SIGNAL) != signal.SIG_DFL:
-        os.write(fd, _STACKS_TAKEN)
+    if _STACKS_SIGNAL is None or signal.getsignal(_STACKS_SIGNAL) != signal.SIG_DFL:
+        os.write(fd, _STACKS_TAKEN)  # the loader's code ran, but there is no dump to ask
         return
     os.set_blocking(fd, False)
     faulthandler.register(_STACKS_SIGNAL, file=fd, all_threads=True)
