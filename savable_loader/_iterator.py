@@ -34,7 +34,8 @@ stacks pipe never got a marker: NOTE [ Stacks of a hung worker ] in ``_commands.
 It handed nothing on, so its position is the checkpoint it started from, and the
 loader's position is kept whatever the other workers delivered. The loader then stops
 the stream and starts it again from there, which replays exactly, logging a warning;
-at most twice in a row, after which the ``WorkerError`` is raised as for any hang.
+at most twice in a row, after which the ``WorkerError`` is raised as for any hang. A
+save that meets such a worker returns the position (the workers start again next).
 NOTE [ Workers per epoch ]
 With ``persistent_workers=False`` (torch's default) the workers of an epoch stop when it
 ends and new ones start with the next, as with torch: each new worker starts from the

@@ -109,11 +109,11 @@ class Hang(WorkerError):
         #: The hung workers' stacks, a paragraph each (NOTE [ Stacks of a hung worker ]).
         self.stacks = stacks
 
-    def restarts(self, lost: str | None) -> bool:
+    def restarts(self, lost: str | None, retries: int) -> bool:
         """Whether the loader starts its workers again after this hang, which it then
-        logs: every hung worker never started and the position was kept (NOTE [ Workers
-        that never started ] in ``_iterator.py``)."""
-        if lost is not None or not set(self.workers) <= set(self.unstarted):
+        logs: every hung worker never started, the position was kept and ``retries``
+        are left (NOTE [ Workers that never started ] in ``_iterator.py``)."""
+        if lost is not None or not retries or not set(self.workers) <= set(self.unstarted):
             return False
         logger.warning("%s; the loader starts its workers again", self.reason)
         return True

@@ -235,11 +235,10 @@ class SavableDataLoader(DataLoader[Any]):
                     self._stop_stream()
                 raise
             except Hang as hang:
-                lost = self._halt(hang)
-                if self._retries and hang.restarts(lost):
-                    self._retries -= 1
-                    continue
-                raise hang.stopped(lost) from None
+                if not hang.restarts(lost := self._halt(hang), self._retries):
+                    raise hang.stopped(lost) from None
+                self._retries -= 1
+                continue
             except Exception as error:
                 # Whatever surfaces when a worker dies (torch's RuntimeError, a reset
                 # connection while fetching a tensor it shared) becomes a WorkerError.
@@ -335,15 +334,16 @@ class SavableDataLoader(DataLoader[Any]):
 
     def _current_checkpoints(self) -> list[Checkpoint | None]:
         stream = self._stream
-        if stream is None or not stream.started:
-            return list(self._book.resume)
         try:
-            return list(stream.checkpoints(self._book.delivered))
-        except Hang as hang:  # NOTE [ Workers given up on ] in _stream.py
-            raise hang.stopped(self._halt(hang)) from None
+            if stream is not None and stream.started:
+                return list(stream.checkpoints(self._book.delivered))
+        except Hang as hang:  # NOTE [ Workers given up on ] in _stream.py; kept: restarts
+            if not hang.restarts(lost := self._halt(hang), self._retries):
+                raise hang.stopped(lost) from None
         except (RuntimeError, OSError, EOFError) as error:  # WorkerError included
             self._raise_if_workers_died(error, "during a save")
             raise
+        return list(self._book.resume)
 
     def worker_stats(self) -> list[dict[str, Any]]:
         """Returns per-worker figures (checkpoints, their cost and size, ring entries,

@@ -118,3 +118,22 @@ def test_a_worker_that_never_starts_is_a_worker_error_after_two_restarts(
     assert "it hung in torch's worker start-up, before worker_init_fn" in message
     assert "the loader stays after the last item handed on" in message
     assert elapsed < 3 * (TIMEOUT + 2) + 10
+
+
+def test_a_save_while_a_worker_never_started_succeeds_and_resumes_exactly(
+    hang_before_init: Any,
+) -> None:
+    """The save waits ``command_timeout`` for the worker that never started, then knows
+    every position anyway: it returns the state, and the workers start again next."""
+    with _loader() as loader:
+        reference = _stream(loader)
+    hang_before_init(1, hangs=1)
+    with _loader() as loader:
+        stream = iter(loader)
+        head = [next(stream).tolist()]  # worker 0's; worker 1 hangs in its start-up
+        state = loader.save_state_rank()
+        rest = [batch.tolist() for batch in stream] + _stream(loader, EPOCHS - 1)
+    assert head + rest == reference
+    with _loader() as resumed:
+        resumed.restore_state_rank(state)
+        assert _stream(resumed) == rest
