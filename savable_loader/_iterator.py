@@ -25,17 +25,18 @@ its type, and the worker's traceback in the message, as torch does); the library
 errors (StateError, StorageError, ...) keep their type.
 NOTE [ Workers that never started ]
 A worker can hang before any of the loader's code runs in it, in torch's start-up of the
-process: CPython up to 3.11.7 can deadlock a child forked while another thread (a gloo
-thread of ``torch.distributed`` dropping a finished collective's tensors) holds the
-interpreter's thread-state lock (python/cpython#112275), and glibc can leave a C++
-static's ``atexit`` lock held the same way (pytorch/pytorch#130610); torch's own
-``DataLoader`` then waits forever. The watchdog finds such a worker after ``command_timeout`` (its
-stacks pipe never got a marker: NOTE [ Stacks of a hung worker ] in ``_commands.py``).
-It handed nothing on, so its position is the checkpoint it started from, and the
-loader's position is kept whatever the other workers delivered. The loader then stops
-the stream and starts it again from there, which replays exactly, logging a warning;
-at most twice in a row, after which the ``WorkerError`` is raised as for any hang. A
-save that meets such a worker returns the position (the workers start again next).
+process: a CPython without the fix of python/cpython#112275 (3.11.7 here) can deadlock
+a child forked while another thread (a gloo thread of ``torch.distributed`` dropping a
+finished collective's tensors) holds the interpreter's thread-state lock, and glibc can
+leave a C++ static's ``atexit`` lock held the same way (pytorch/pytorch#130610); torch's
+own ``DataLoader`` then waits forever. The watchdog finds such a worker after
+``command_timeout`` (its stacks pipe never got a marker: NOTE [ Stacks of a hung worker ]
+in ``_commands.py``). It handed nothing on, so its position is the checkpoint it started
+from, and the loader's position is kept whatever the other workers delivered. The
+loader then stops the stream and starts it again from there, which replays exactly,
+logging a warning; at most twice in a row, after which the ``WorkerError`` is raised as
+for any hang. A save that meets such a worker returns the position (the workers start
+again next).
 NOTE [ Workers per epoch ]
 With ``persistent_workers=False`` (torch's default) the workers of an epoch stop when it
 ends and new ones start with the next, as with torch: each new worker starts from the
