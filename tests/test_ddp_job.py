@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gloo import in_rank_order, run_ranks
+from gloo import COMMAND_TIMEOUT, in_rank_order, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -97,21 +97,26 @@ def _build(case: str, tmp: Path) -> tuple[Any, Any]:
     import torch.distributed as dist
     from torch.utils.data import DistributedSampler
 
-    from savable_loader import SavableDataLoader
+    from savable_loader import SavableDataLoader, WorkerConfig
     from savable_loader.datasets import JsonLinesSource, TarSource, TokenSource
 
+    config = WorkerConfig(command_timeout=COMMAND_TIMEOUT)
     if case == "sampler":
         dataset = Augmented()
         sampler = DistributedSampler(dataset, shuffle=True, seed=3)
         assert sampler.num_replicas == dist.get_world_size()
-        loader = SavableDataLoader(dataset, batch_size=3, sampler=sampler, num_workers=1)
+        loader = SavableDataLoader(
+            dataset, batch_size=3, sampler=sampler, num_workers=1, worker_config=config
+        )
         return loader, sampler
     if case == "sharded":
-        loader = SavableDataLoader(Augmented(), batch_size=2, shuffle=True, num_workers=2, seed=1)
+        loader = SavableDataLoader(
+            Augmented(), batch_size=2, shuffle=True, num_workers=2, seed=1, worker_config=config
+        )
         return loader, None
     if case == "jsonl":
         source = JsonLinesSource(str(tmp / "jsonl" / "*.jsonl.gz"), shuffle_shards=True, seed=2)
-        return SavableDataLoader(source, batch_size=5, num_workers=1), None
+        return SavableDataLoader(source, batch_size=5, num_workers=1, worker_config=config), None
     if case == "tokens":
         source = TokenSource(str(tmp / "tokens" / "*.bin"), seq_len=4, shuffle=True, seed=4)
         return SavableDataLoader(source, batch_size=2), None
