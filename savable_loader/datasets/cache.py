@@ -77,8 +77,9 @@ from fsspec.compression import compr
 from fsspec.core import get_compression
 
 from ..errors import StorageError
-from .cache_entries import commit, entry_path, is_valid, temp_path
+from .cache_entries import cacheable, commit, entry_path, is_valid, signature_of, temp_path
 from .cache_evict import evict, over, record
+from .cache_probe import probe
 from .cache_stream import STREAM_MIN_BYTES, Download, GrowingFile, fetch_into
 from .cache_stream import Changed as _Changed
 from .held_file import HeldFile
@@ -93,31 +94,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_LIMIT = 10 * 2**30
 
 _IDLE_SECONDS = 1.0
-_LOCAL = ("file", "local")
-
-
-def cacheable(url: str) -> bool:
-    """Whether ``url`` is a remote file the cache keeps (local paths and chained
-    ``a::b`` URLs are read in place)."""
-    if "::" in url or "://" not in url:
-        return False
-    return url.partition("://")[0] not in _LOCAL
-
-
-def signature_of(info: dict[str, Any]) -> dict[str, Any]:
-    """What an entry is checked against (NOTE [ File cache ]): the remote size and ETag or
-    mtime, as the sidecar records them, from fsspec's ``info()`` or a listing's entry for
-    the file (which agree on S3; where they do not, an entry is downloaded again)."""
-    etag = info.get("ETag", info.get("etag"))
-    mtime = next(
-        (info[k] for k in ("mtime", "LastModified", "last_modified", "created") if k in info),
-        None,
-    )
-    return {
-        "size": int(info.get("size") or 0),
-        "etag": None if etag is None else str(etag),
-        "mtime": None if mtime is None else str(mtime),
-    }
 
 
 #: Every cache object of this process, whose inherited locks a forked child lets go.
@@ -192,7 +168,10 @@ class FileCache:
         try:
             with self._mutex:
                 checked = self._checked.pop(url, None)
-            signature = checked or known or signature_of(fs.info(url))
+            first = None  # NOTE [ Probing a download ] in cache_probe.py
+            signature = checked or known
+            if signature is None:
+                signature, first = self._signature(url, fs)
             listed = checked is None and known is not None
             while True:
                 if signature["size"] > self.limit:
@@ -202,7 +181,7 @@ class FileCache:
                     return fs.open(url, "rb", compression="infer")  # type: ignore[no-any-return]
                 try:
                     fd, downloaded, download = self._hold(
-                        url, fs, signature, stream=stream, retry=retry
+                        url, fs, signature, stream=stream, retry=retry, first=first
                     )
                     break
                 except _Changed:
@@ -227,6 +206,17 @@ class FileCache:
             self._drop(fd)
             raise
         return HeldFile(files, functools.partial(self._release, fd))  # type: ignore[return-value]
+
+    def _signature(self, url: str, fs: Any) -> tuple[dict[str, Any], bytes | None]:
+        """``url``'s signature, and its first bytes when no entry of it exists: then the
+        request that takes the signature fetches them too where ``fs`` can (NOTE
+        [ Probing a download ] in ``cache_probe.py``); they count as downloaded."""
+        if not self.path(url, ".json").exists():
+            probed = probe(fs, url)
+            if probed is not None:
+                self._count(bytes_downloaded=len(probed[1]))
+                return signature_of(probed[0]), probed[1]
+        return signature_of(fs.info(url)), None
 
     def _drop(self, fd: int) -> None:
         """Closes ``fd``, a held entry's lock, unless a fork already let it go here."""
@@ -273,12 +263,14 @@ class FileCache:
         prefetch: bool = False,
         stream: bool = False,
         retry: RetryPolicy | None = None,
+        first: bytes | None = None,
     ) -> tuple[int, bool, Download | None]:
         """A shared lock on a valid entry of ``url`` (its fd), whether this call downloaded
         it (``prefetch``: for a prefetch thread), and with ``stream``, the download still
         running for a large file (NOTE [ Reading a download ] in ``cache_stream.py``). The
         shared lock is taken first and kept, so no eviction removes the entry between its
-        download and its use. ``retry``: the policy of a streamed download's ranges."""
+        download and its use. ``retry``: the policy of a streamed download's ranges;
+        ``first``: the file's first bytes, from the request that took its signature."""
         fd = os.open(self.path(url, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -296,13 +288,13 @@ class FileCache:
                         download = Download(temp_path(self.directory, url), signature["size"])
                         threading.Thread(
                             target=self._stream,
-                            args=(url, fs, signature, download, lock, retry),
+                            args=(url, fs, signature, download, lock, retry, first),
                             name="cache-stream",
                             daemon=True,
                         ).start()
                         lock = None  # the thread's now
                     else:
-                        self._download(url, fs, signature, prefetch=prefetch)
+                        self._download(url, fs, signature, prefetch=prefetch, first=first)
             finally:
                 if lock is not None:
                     self._drop(lock)
@@ -336,6 +328,7 @@ class FileCache:
         download: Download,
         lock: int,
         retry: RetryPolicy | None,
+        first: bytes | None,
     ) -> None:
         """The thread of a download read as it arrives; holds the download ``lock``."""
 
@@ -343,7 +336,7 @@ class FileCache:
             return retrying(url, call, lambda: None, retry)
 
         try:
-            fetch_into(fs, url, download, lambda size: self._count(bytes_downloaded=size), retried)
+            fetch_into(fs, url, download, self._count_bytes, retried, first=first or b"")
             self._commit(url, download.temp, signature, counted=True)
         except BaseException as exc:
             download.temp.unlink(missing_ok=True)
@@ -363,15 +356,27 @@ class FileCache:
         return is_valid(self.directory, url, signature)
 
     def _download(
-        self, url: str, fs: Any, signature: dict[str, Any], *, prefetch: bool = False
+        self,
+        url: str,
+        fs: Any,
+        signature: dict[str, Any],
+        *,
+        prefetch: bool = False,
+        first: bytes | None = None,
     ) -> None:
-        """Downloads ``url`` into its entry (the caller holds its download lock). The
-        download is counted before the sidecar makes the entry valid, so a reader that
-        finds it valid also finds it counted."""
+        """Downloads ``url`` into its entry (the caller holds its download lock), after
+        its ``first`` bytes when a probe fetched them (NOTE [ Probing a download ] in
+        ``cache_probe.py``). The download is counted before the sidecar makes the entry
+        valid, so a reader that finds it valid also finds it counted."""
         temp = temp_path(self.directory, url)
         try:
-            fs.get_file(url, str(temp))  # one GET on object stores (open would HEAD first)
-            self._commit(url, temp, signature, prefetch=prefetch)
+            if first is None:
+                fs.get_file(url, str(temp))  # one GET on object stores (open would HEAD first)
+            else:  # the rest in ranges, counted as they land (the probe's already are)
+                download = Download(temp, signature["size"])
+                os.close(download.reader_fd)
+                fetch_into(fs, url, download, self._count_bytes, lambda call: call(), first=first)
+            self._commit(url, temp, signature, prefetch=prefetch, counted=first is not None)
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
@@ -394,6 +399,9 @@ class FileCache:
         size = commit(self.directory, url, temp, signature, count)
         logger.debug("%s: %d bytes downloaded into %s", url, size, self.path(url, ".data"))
         record(self.directory, self.limit, size)
+
+    def _count_bytes(self, size: int) -> None:
+        self._count(bytes_downloaded=size)
 
     def _count(self, **added: int) -> None:
         with self._mutex:
@@ -441,10 +449,10 @@ class FileCache:
                     self._wanted.discard(url)
 
     def _fetch(self, url: str, fs: Any) -> None:
-        signature = signature_of(fs.info(url))
+        signature, first = self._signature(url, fs)
         if signature["size"] > self.limit:
             return
-        fd, _, _ = self._hold(url, fs, signature, prefetch=True)
+        fd, _, _ = self._hold(url, fs, signature, prefetch=True, first=first)
         dropped = []
         with self._mutex:
             keep = not self._closed and url in self._wanted and url not in self._pinned

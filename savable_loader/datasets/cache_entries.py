@@ -1,5 +1,5 @@
-"""A cache entry on disk: its files' names, its validity, and its atomic commit (NOTE
-[ File cache ] in ``cache.py``: "An entry", "Writes are atomic")."""
+"""A cache entry on disk: which URLs have one, its files' names, its signature and validity,
+and its atomic commit (NOTE [ File cache ] in ``cache.py``: "An entry", "Writes are atomic")."""
 
 from __future__ import annotations
 
@@ -13,7 +13,33 @@ from typing import Any
 
 from .cache_stream import Changed
 
-__all__ = ["commit", "entry_path", "is_valid", "temp_path"]
+__all__ = ["cacheable", "commit", "entry_path", "is_valid", "signature_of", "temp_path"]
+
+_LOCAL = ("file", "local")
+
+
+def cacheable(url: str) -> bool:
+    """Whether ``url`` is a remote file the cache keeps (local paths and chained
+    ``a::b`` URLs are read in place)."""
+    if "::" in url or "://" not in url:
+        return False
+    return url.partition("://")[0] not in _LOCAL
+
+
+def signature_of(info: dict[str, Any]) -> dict[str, Any]:
+    """What an entry is checked against (NOTE [ File cache ]): the remote size and ETag or
+    mtime, as the sidecar records them, from fsspec's ``info()`` or a listing's entry for
+    the file (which agree on S3; where they do not, an entry is downloaded again)."""
+    etag = info.get("ETag", info.get("etag"))
+    mtime = next(
+        (info[k] for k in ("mtime", "LastModified", "last_modified", "created") if k in info),
+        None,
+    )
+    return {
+        "size": int(info.get("size") or 0),
+        "etag": None if etag is None else str(etag),
+        "mtime": None if mtime is None else str(mtime),
+    }
 
 
 def entry_path(directory: Path, url: str, suffix: str) -> Path:

@@ -122,19 +122,27 @@ def fetch_into(
     download: Download,
     counted: Callable[[int], None],
     retried: Callable[[Callable[[], bytes]], bytes],
+    *,
+    first: bytes = b"",
 ) -> None:
     """Downloads ``url`` into ``download.temp`` (created already) range by range (NOTE
     [ Reading a download ]), each range's request run by ``retried`` (the source's retry
     policy), telling ``counted`` and then ``download`` as the bytes land (so that a
-    reader who read them finds them counted).
+    reader who read them finds them counted). ``first``: the file's first bytes, fetched
+    and counted already (NOTE [ Probing a download ] in ``cache_probe.py``); the ranges
+    start after them.
 
     Raises:
         Changed: The file's length is not ``download.size``.
         Exception: What ``retried`` raised.
     """
-    position, chunk, size = 0, FIRST_CHUNK_BYTES, download.size
+    position, chunk, size = len(first), FIRST_CHUNK_BYTES, download.size
     fd = os.open(download.temp, os.O_WRONLY)
     try:
+        if first:
+            _write(fd, first)
+            download.wrote(len(first))
+            chunk = min(2 * max(len(first), FIRST_CHUNK_BYTES), MAX_CHUNK_BYTES)
         while position < size:
             end = min(position + chunk, size)
             last = end == size
@@ -143,14 +151,18 @@ def fetch_into(
             data = retried(request)
             if len(data) != end - position:
                 raise Changed(f"{url} answered {position + len(data)}+ bytes, not {size}")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            _write(fd, data)
             counted(len(data))
             download.wrote(len(data))
             position, chunk = end, min(chunk * 2, MAX_CHUNK_BYTES)
     finally:
         os.close(fd)
+
+
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class GrowingFile(io.RawIOBase):

@@ -1,0 +1,77 @@
+"""A remote file's signature and first bytes in one request (NOTE [ Probing a download ]).
+
+NOTE [ Probing a download ]
+The cache checks an entry against the remote file's signature (size, ETag or mtime: NOTE
+[ File cache ] in ``cache.py``), which ``info()`` asks of the store: on S3 a HEAD request.
+When no entry of the file exists, the open is a download, and the HEAD only delays it by
+a round trip: a table of small files paid two requests per file, and every file's first
+bytes came a round trip late. So when the cache holds no sidecar for a URL, an open asks
+for the file's first :data:`PROBE_BYTES` with one ranged GET instead, whose answer
+carries the signature too (ETag, Last-Modified, and the total size in Content-Range):
+
+* A file no longer than that is then complete: one request in all. A longer one's
+  download goes on from where the probe ended (the same ranges as NOTE [ Reading a
+  download ] in ``cache_stream.py``), so the probe costs no byte twice.
+* The signature is the one ``info()`` gives (s3fs builds both from the same headers), so
+  a later open's HEAD finds the entry valid.
+* Only s3fs filesystems are probed, and only a URL without a version; any other
+  filesystem, or a probe the store refuses as a range (an empty file: 416), asks
+  ``info()`` as before. An entry that exists is checked with ``info()`` as before: a hit
+  costs one HEAD and no bytes.
+* Two processes that probe the same file at once both fetch its first bytes; one
+  downloads the rest, the other finds its entry valid and drops its probe. The bytes of
+  every probe count as downloaded.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+from fsspec.asyn import sync
+
+__all__ = ["PROBE_BYTES", "probe"]
+
+#: Bytes an open asks for with the request that takes a file's signature (NOTE [ Probing
+#: a download ]): the first range of a download read as it arrives.
+PROBE_BYTES = 2**20
+
+
+def probe(fs: Any, url: str) -> tuple[dict[str, Any], bytes] | None:
+    """``url``'s info, as s3fs's ``info()`` gives the fields of a signature (``size``,
+    ``ETag``, ``LastModified``), and its first :data:`PROBE_BYTES` bytes (all of them for
+    a smaller file), with one request; None where ``fs`` cannot (NOTE [ Probing a
+    download ]).
+
+    Raises:
+        Exception: What ``fs`` raised (a missing file, a fault), as ``info()`` would.
+    """
+    if not callable(getattr(fs, "_call_s3", None)) or not callable(getattr(fs, "split_path", None)):
+        return None
+    bucket, key, version = fs.split_path(url)
+    if version or not key:
+        return None
+
+    async def ranged() -> tuple[dict[str, Any], bytes]:
+        answer = await fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{PROBE_BYTES - 1}"
+        )
+        body = answer["Body"]
+        try:
+            return answer, await body.read()
+        finally:
+            body.close()
+
+    try:
+        answer, data = sync(fs.loop, ranged)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # no byte to give (an empty file): ask info()
+            return None
+        raise
+    span = answer.get("ContentRange")
+    size = int(span.rpartition("/")[2]) if span else len(data)
+    if len(data) != min(size, PROBE_BYTES):
+        raise ConnectionError(f"{url}: the probe answered {len(data)} bytes of {size}")
+    # The defaults of s3fs's info(), so that the signatures agree.
+    etag, modified = answer.get("ETag", ""), answer.get("LastModified", "")
+    return {"size": size, "ETag": etag, "LastModified": modified}, data
