@@ -25,11 +25,14 @@ Configurations (:data:`BASELINES`), every source with its defaults otherwise:
 
 * ``local``: the files on local disk, read in place.
 * ``s3-cache``: from S3 through an empty ``cache_dir`` (removed after each
-  measurement); the table with ``list_folders=True`` (NOTE [ Listing folders ] in
-  ``savable_loader/datasets/listing.py``).
+  measurement). A file missing from it costs one ranged GET that brings its signature
+  (NOTE [ Probing a download ] in ``savable_loader/datasets/cache_probe.py``).
 * ``s3-direct``: from S3 without a cache, the floor.
-* ``s3-cache:head`` (table): the cache without ``list_folders``, a signature request
-  per file.
+* ``s3-cache:listed`` (table): the cache with ``list_folders=True``, the signatures
+  from listings of the folder (NOTE [ Listing folders ] in
+  ``savable_loader/datasets/listing.py``). moto answers a page of 1,000 keys in about
+  0.2 s, so each worker's listing of the folder of 24,000 keys costs about 5 s of the
+  server's CPU, which a measurement of seconds does not earn back.
 * ``local:files`` and ``s3-cache:files`` (tar, jsonl): ``split="files"``. With the
   default ``split="samples"`` the loader counts every file's samples when it is built
   (NOTE [ Counting samples ] in ``sharded.py``), which through the cache downloads every
@@ -117,7 +120,7 @@ BASELINES: dict[str, dict[str, str]] = {
     "table": {
         "local": "local",
         "s3-cache": "local",
-        "s3-cache:head": "local",
+        "s3-cache:listed": "local",
         "s3-direct": "local",
     },
 }
@@ -351,7 +354,7 @@ def build(name: str, config: str, root: Path, options: dict[str, Any], cache: Pa
         return JsonLinesSource(f"{base}/jsonl/*.jsonl.gz", **kwargs)
     if name == "tokens":
         return TokenSource(f"{base}/tokens/*.bin", seq_len=SEQ_LEN, shuffle=True, **kwargs)
-    listed = where == "s3-cache" and variant != "head"
+    listed = variant == "listed"
     return TableSource(f"{base}/table/rows.jsonl", files="file", list_folders=listed, **kwargs)
 
 
@@ -560,8 +563,8 @@ def report(
         "to the local configuration of the same split (local:files for the :files ones, "
         "local:counts for the :counts ones).",
         *sizes.describe(),
-        "Configurations: s3-cache = an empty cache_dir (the table with list_folders=True); "
-        "s3-cache:head = the table's cache without list_folders; s3-direct = no cache; "
+        "Configurations: s3-cache = an empty cache_dir; s3-cache:listed = the table's "
+        "cache with list_folders=True; s3-direct = no cache; "
         ':files = split="files" (tar, jsonl); :counts = a counts file written before the '
         "run (counts=, tar, jsonl); otherwise every source with its defaults "
         '(split="samples", prefetch=2; the table threads=8, prefetch=16).',

@@ -21,7 +21,7 @@ COLORS = {
     "s3-cache": "#2ca02c",
     "s3-cache:files": "#98df8a",
     "s3-cache:counts": "#17becf",
-    "s3-cache:head": "#bcbd22",
+    "s3-cache:listed": "#bcbd22",
     "s3-direct": "#7f7f7f",
 }
 #: The issue's targets: items/s at least 0.9x local, the first batch within 2x local.
