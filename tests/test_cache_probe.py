@@ -18,10 +18,11 @@ import pytest
 from s3_server import REGION, S3, S3FS_WARNINGS
 
 from savable_loader.datasets import RetryPolicy
+from savable_loader.datasets import cache as cache_module
 from savable_loader.datasets.cache import FileCache, signature_of
 from savable_loader.datasets.cache_entries import is_valid
 from savable_loader.datasets.cache_probe import PROBE_BYTES, probe
-from savable_loader.datasets.cache_stream import STREAM_MIN_BYTES
+from savable_loader.datasets.cache_stream import STREAM_MIN_BYTES, Changed
 from savable_loader.testing.proxy import FaultProxy
 
 pytestmark = [S3FS_WARNINGS, pytest.mark.timeout(120)]
@@ -113,8 +114,11 @@ def test_a_download_goes_on_after_its_probe_without_a_head_or_a_byte_twice(
     proxy.taken()
     assert _read(cache, url, fs, stream=stream) == body
     methods = proxy.taken()
-    # The probe, then (for a longer file) the ranges of the rest: a GET each, no HEAD.
-    assert methods == ["GET"] if size <= PROBE_BYTES else set(methods) == {"GET"}
+    # The probe, then (for a longer file) the rest: one GET, or ranges when streamed.
+    if stream:
+        assert set(methods) == {"GET"}
+    else:
+        assert methods == ["GET"] * (1 if size <= PROBE_BYTES else 2)
     assert cache.stats.bytes_downloaded == size  # the probe's bytes are not fetched again
     signature = signature_of(fs.info(url))
     deadline = time.monotonic() + 30  # a streamed download commits after its last read
@@ -167,6 +171,29 @@ def test_a_replaced_file_of_the_same_size_is_downloaded_again(
     assert _read(cache, url, fs) == _body(5_000, salt=1)
     assert proxy.taken()[0] == "HEAD"  # an entry exists: checked, then downloaded again
     assert cache.stats.misses == 2
+    cache.close()
+
+
+def test_a_file_replaced_between_its_probe_and_its_rest_is_not_cached_mixed(
+    s3: S3, proxy: RecordingProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = 2 * PROBE_BYTES
+    url = s3.put("swapped.bin", _body(size))
+    fs = _fs(s3, proxy)
+    cache = FileCache(tmp_path, LIMIT, prefetch=0)
+
+    def swapped_then(*args: Any) -> None:
+        s3.put("swapped.bin", _body(size, salt=1))  # same size, another ETag
+        original(*args)
+
+    original = cache_module.write_rest
+    monkeypatch.setattr(cache_module, "write_rest", swapped_then)
+    with pytest.raises(Changed):
+        _read(cache, url, fs)
+    monkeypatch.setattr(cache_module, "write_rest", original)
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert not list(tmp_path.glob("*.json"))
+    assert _read(cache, url, fs) == _body(size, salt=1)  # the next open (a retry's) is whole
     cache.close()
 
 

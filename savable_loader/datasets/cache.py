@@ -11,7 +11,9 @@ its one writer.
 
 * An entry is valid when its sidecar exists and its size and ETag/mtime (its signature)
   equal what ``info()`` says now; a later open, in this process or another, after a restart
-  too, reads it without downloading. A changed remote file is downloaded again. A caller
+  too, reads it without downloading. A changed remote file is downloaded again. An open
+  of a URL that has no sidecar takes the signature from the download's first request
+  instead (NOTE [ Probing a download ] in ``cache_probe.py``). A caller
   that already knows the signature from a listing (``TableSource`` with ``list_folders``:
   NOTE [ Listing folders ] in ``listing.py``) passes it instead of asking ``info()``; if
   the download's size then differs from it, ``info()`` is asked and the file downloaded
@@ -79,7 +81,7 @@ from fsspec.core import get_compression
 from ..errors import StorageError
 from .cache_entries import cacheable, commit, entry_path, is_valid, signature_of, temp_path
 from .cache_evict import evict, over, record
-from .cache_probe import probe
+from .cache_probe import probe, write_rest
 from .cache_stream import STREAM_MIN_BYTES, Download, GrowingFile, fetch_into
 from .cache_stream import Changed as _Changed
 from .held_file import HeldFile
@@ -372,10 +374,8 @@ class FileCache:
         try:
             if first is None:
                 fs.get_file(url, str(temp))  # one GET on object stores (open would HEAD first)
-            else:  # the rest in ranges, counted as they land (the probe's already are)
-                download = Download(temp, signature["size"])
-                os.close(download.reader_fd)
-                fetch_into(fs, url, download, self._count_bytes, lambda call: call(), first=first)
+            else:  # the rest counted as it lands (the probe's bytes already are)
+                write_rest(fs, url, signature, first, temp, self._count_bytes)
             self._commit(url, temp, signature, prefetch=prefetch, counted=first is not None)
         except BaseException:
             temp.unlink(missing_ok=True)

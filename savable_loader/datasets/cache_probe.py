@@ -10,8 +10,11 @@ for the file's first :data:`PROBE_BYTES` with one ranged GET instead, whose answ
 carries the signature too (ETag, Last-Modified, and the total size in Content-Range):
 
 * A file no longer than that is then complete: one request in all. A longer one's
-  download goes on from where the probe ended (the same ranges as NOTE [ Reading a
-  download ] in ``cache_stream.py``), so the probe costs no byte twice.
+  download goes on from where the probe ended, so the probe costs no byte twice: with
+  one more GET, of the rest, for a file downloaded whole (:func:`write_rest`), or in the
+  ranges of NOTE [ Reading a download ] in ``cache_stream.py`` for one read as it
+  arrives. An answer of another ETag than the probe's (the file replaced in between)
+  fails the download (``Changed``), which the reader's retry opens anew.
 * The signature is the one ``info()`` gives (s3fs builds both from the same headers), so
   a later open's HEAD finds the entry valid.
 * Only s3fs filesystems are probed, and only a URL without a version; any other
@@ -19,22 +22,29 @@ carries the signature too (ETag, Last-Modified, and the total size in Content-Ra
   ``info()`` as before. An entry that exists is checked with ``info()`` as before: a hit
   costs one HEAD and no bytes.
 * Two processes that probe the same file at once both fetch its first bytes; one
-  downloads the rest, the other finds its entry valid and drops its probe. The bytes of
-  every probe count as downloaded.
+  downloads the rest, the other finds its entry valid and drops its probe. So does an
+  open of a file larger than ``cache_limit``, which is streamed from the store uncached.
+  The bytes of every probe count as downloaded.
 """
 
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fsspec.asyn import sync
 
-__all__ = ["PROBE_BYTES", "probe"]
+from .cache_stream import Changed
+
+__all__ = ["PROBE_BYTES", "probe", "write_rest"]
 
 #: Bytes an open asks for with the request that takes a file's signature (NOTE [ Probing
 #: a download ]): the first range of a download read as it arrives.
 PROBE_BYTES = 2**20
+#: Bytes :func:`write_rest` reads from the answer at a time.
+_READ_BYTES = 2**20
 
 
 def probe(fs: Any, url: str) -> tuple[dict[str, Any], bytes] | None:
@@ -75,3 +85,42 @@ def probe(fs: Any, url: str) -> tuple[dict[str, Any], bytes] | None:
     # The defaults of s3fs's info(), so that the signatures agree.
     etag, modified = answer.get("ETag", ""), answer.get("LastModified", "")
     return {"size": size, "ETag": etag, "LastModified": modified}, data
+
+
+def write_rest(
+    fs: Any,
+    url: str,
+    signature: dict[str, Any],
+    first: bytes,
+    temp: Path,
+    counted: Callable[[int], None],
+) -> None:
+    """Writes ``url``'s bytes to ``temp``: ``first``, a probe's, then the rest of the file
+    with one GET from where they end (none when they are the whole file), telling
+    ``counted`` of the rest's bytes as they land (NOTE [ Probing a download ]).
+
+    Raises:
+        Changed: The answer is of another ETag than ``signature``'s.
+        Exception: What ``fs`` raised.
+    """
+    with open(temp, "wb") as out:
+        out.write(first)
+        if len(first) >= signature["size"]:
+            return
+        bucket, key, _ = fs.split_path(url)
+
+        async def rest() -> None:
+            answer = await fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes={len(first)}-"
+            )
+            body = answer["Body"]
+            try:
+                if str(answer.get("ETag", "")) != signature["etag"]:
+                    raise Changed(f"{url} was replaced while it was being downloaded")
+                while chunk := await body.read(_READ_BYTES):
+                    out.write(chunk)
+                    counted(len(chunk))
+            finally:
+                body.close()
+
+        sync(fs.loop, rest)

@@ -3,10 +3,12 @@
 NOTE [ Listing folders ]
 With ``cache_dir``, an entry is checked against the remote file's signature (size and ETag
 or modification time: NOTE [ File cache ] in ``cache.py``), which the cache asks of the
-store with ``info()``: on S3 a HEAD request before each download or reuse. A table of many
-small files then makes two requests per file, and the store's and the client's cost per
-request, not the bytes, bounds the throughput. With ``list_folders=True`` a ``TableSource``
-takes the signatures from listings instead:
+store with ``info()`` (on S3 a HEAD request) before each reuse of a cached file; a file
+not cached yet takes it from its download's first GET (NOTE [ Probing a download ] in
+``cache_probe.py``). A table of many small files cached already then makes a request per
+file in every epoch, and the store's and the client's cost per request, not the bytes,
+bounds the throughput. With ``list_folders=True`` a ``TableSource`` takes the signatures
+from listings instead:
 
 * Each process lists a folder in a background thread (``table-list``) once it has fetched
   :data:`LIST_AFTER` files in it (so the first batch does not wait behind a listing, and a
