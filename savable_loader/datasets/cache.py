@@ -210,10 +210,13 @@ class FileCache:
         return HeldFile(files, functools.partial(self._release, fd))  # type: ignore[return-value]
 
     def _signature(self, url: str, fs: Any) -> tuple[dict[str, Any], bytes | None]:
-        """``url``'s signature, and its first bytes when no entry of it exists: then the
-        request that takes the signature fetches them too where ``fs`` can (NOTE
-        [ Probing a download ] in ``cache_probe.py``); they count as downloaded."""
-        if not self.path(url, ".json").exists():
+        """``url``'s signature, and its first bytes when no entry of it exists and no
+        prefetch thread of this process was asked for it: then the request that takes
+        the signature fetches them too where ``fs`` can (NOTE [ Probing a download ] in
+        ``cache_probe.py``); they count as downloaded."""
+        with self._mutex:
+            prefetching = url in self._wanted  # its download is under way: wait for it
+        if not prefetching and not self.path(url, ".json").exists():
             probed = probe(fs, url)
             if probed is not None:
                 self._count(bytes_downloaded=len(probed[1]))
@@ -449,10 +452,11 @@ class FileCache:
                     self._wanted.discard(url)
 
     def _fetch(self, url: str, fs: Any) -> None:
-        signature, first = self._signature(url, fs)
+        # Not probed: no reader waits for this round trip (NOTE [ Probing a download ]).
+        signature = signature_of(fs.info(url))
         if signature["size"] > self.limit:
             return
-        fd, _, _ = self._hold(url, fs, signature, prefetch=True, first=first)
+        fd, _, _ = self._hold(url, fs, signature, prefetch=True)
         dropped = []
         with self._mutex:
             keep = not self._closed and url in self._wanted and url not in self._pinned

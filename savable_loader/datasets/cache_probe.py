@@ -17,6 +17,13 @@ carries the signature too (ETag, Last-Modified, and the total size in Content-Ra
   fails the download (``Changed``), which the reader's retry opens anew.
 * The signature is the one ``info()`` gives (s3fs builds both from the same headers), so
   a later open's HEAD finds the entry valid.
+* Opens are probed, where a reader (or a ``TableSource`` fetch thread, whose requests
+  bound its throughput) waits. The cache's prefetch threads are not: no one waits for
+  their round trip, and they download a file with one GET after its ``info()``, where
+  the rest of a large file after a probe would be a second GET of it (which moto, the
+  benchmark's server, answers by copying the whole object again). Nor is an open of a
+  file this process's prefetch threads were asked for: it waits for their download, as
+  before, instead of fetching the first bytes a second time.
 * Only s3fs filesystems are probed, and only a URL without a version; any other
   filesystem, or a probe the store refuses as a range (an empty file: 416), asks
   ``info()`` as before. An entry that exists is checked with ``info()`` as before: a hit
