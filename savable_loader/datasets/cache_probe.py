@@ -47,8 +47,8 @@ from .cache_stream import Changed
 
 __all__ = ["PROBE_BYTES", "probe", "write_rest"]
 
-#: Bytes an open asks for with the request that takes a file's signature (NOTE [ Probing
-#: a download ]): the first range of a download read as it arrives.
+#: Bytes an open asks for with the request that takes a file's signature (NOTE
+#: [ Probing a download ]): the first range of a download read as it arrives.
 PROBE_BYTES = 2**20
 #: Bytes :func:`write_rest` reads from the answer at a time.
 _READ_BYTES = 2**20
