@@ -221,7 +221,12 @@ def test_a_tar_source_streams_its_shards_through_the_cache(tmp_path: Path) -> No
     stats = cached.cache_stats()
     assert stats is not None
     assert (stats.misses, stats.hits) == (3, 0)
-    assert len(list(tmp_path.glob("*.json"))) == 3  # every shard became an entry
+    # Every shard becomes an entry; the last one's download thread commits it (fsync,
+    # renames) after the reader read its last byte.
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("*.json"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(list(tmp_path.glob("*.json"))) == 3
     cached.close_cache()
 
 
