@@ -197,6 +197,41 @@ def test_a_file_replaced_between_its_probe_and_its_rest_is_not_cached_mixed(
     cache.close()
 
 
+def test_a_streamed_file_replaced_between_its_ranges_fails_its_download_at_once(
+    s3: S3, proxy: RecordingProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = STREAM_MIN_BYTES + 5
+    url = s3.put("streamed-swap.bin", _body(size))
+    fs = _fs(s3, proxy)
+    original = cache_module.range_reader
+    swapped: list[int] = []
+
+    def swapping(fs_: Any, url_: str, etag: str | None) -> Any:
+        read = original(fs_, url_, etag)
+
+        def swap_first(start: int, end: int) -> bytes | None:
+            if not swapped:  # before the first range after the probe
+                swapped.append(start)
+                s3.put("streamed-swap.bin", _body(size, salt=1))
+            return read(start, end)
+
+        return swap_first
+
+    monkeypatch.setattr(cache_module, "range_reader", swapping)
+    cache = FileCache(tmp_path, LIMIT, prefetch=0)
+    # The source's retry policy would retry every range; the replaced file's is not.
+    retry = RetryPolicy(attempts=5, base_delay=0.001, max_delay=0.002)
+    proxy.taken()
+    with pytest.raises(Changed, match="replaced"):
+        _read(cache, url, fs, stream=True, retry=retry)
+    assert swapped == [PROBE_BYTES]
+    assert proxy.taken() == ["GET", "GET"]  # the probe and one range, not retried
+    assert not list(tmp_path.glob("*.json"))  # no entry of mixed bytes
+    monkeypatch.setattr(cache_module, "range_reader", original)
+    assert _read(cache, url, fs, stream=True) == _body(size, salt=1)  # the reader's retry
+    cache.close()
+
+
 def test_two_caches_probing_one_file_at_once_read_it_whole(
     s3: S3, proxy: RecordingProxy, tmp_path: Path
 ) -> None:
@@ -229,12 +264,13 @@ def test_a_faulted_probe_is_retried_by_the_source_and_the_stream_is_exact(
 ) -> None:
     from savable_loader.datasets import TableSource
 
-    bodies = [_body(3_000 + row, salt=row) for row in range(24)]
+    bodies = [_body(3_000 + row, salt=row) for row in range(16)]
     for row, body in enumerate(bodies):
         s3.put(f"faulted/{row}.bin", body)
     rows = "".join(f'{{"file": "{row}.bin"}}\n' for row in range(len(bodies)))
     table = s3.put("faulted/rows.jsonl", rows.encode())
-    with RecordingProxy(endpoint_url, slow_down=0.2, cut=0.2, seed=3) as faulty:
+    # Mostly cut answers: s3fs retries a 503 itself, after sleeps of its own.
+    with RecordingProxy(endpoint_url, slow_down=0.05, cut=0.3, seed=3) as faulty:
         options = {
             **s3.options(),
             "client_kwargs": {"endpoint_url": faulty.url, "region_name": REGION},

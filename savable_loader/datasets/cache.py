@@ -81,7 +81,7 @@ from fsspec.core import get_compression
 from ..errors import StorageError
 from .cache_entries import cacheable, commit, entry_path, is_valid, signature_of, temp_path
 from .cache_evict import evict, over, record
-from .cache_probe import probe, write_rest
+from .cache_probe import probe, range_reader, write_rest
 from .cache_stream import STREAM_MIN_BYTES, Download, GrowingFile, fetch_into
 from .cache_stream import Changed as _Changed
 from .held_file import HeldFile
@@ -337,11 +337,12 @@ class FileCache:
     ) -> None:
         """The thread of a download read as it arrives; holds the download ``lock``."""
 
-        def retried(call: Callable[[], bytes]) -> bytes:
+        def retried(call: Callable[[], bytes | None]) -> bytes | None:
             return retrying(url, call, lambda: None, retry)
 
         try:
-            fetch_into(fs, url, download, self._count_bytes, retried, first=first or b"")
+            read = range_reader(fs, url, signature["etag"])
+            fetch_into(fs, url, download, self._count_bytes, retried, first=first or b"", read=read)
             self._commit(url, download.temp, signature, counted=True)
         except BaseException as exc:
             download.temp.unlink(missing_ok=True)

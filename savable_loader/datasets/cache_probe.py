@@ -14,7 +14,9 @@ carries the signature too (ETag, Last-Modified, and the total size in Content-Ra
   one more GET, of the rest, for a file downloaded whole (:func:`write_rest`), or in the
   ranges of NOTE [ Reading a download ] in ``cache_stream.py`` for one read as it
   arrives. An answer of another ETag than the probe's (the file replaced in between)
-  fails the download (``Changed``), which the reader's retry opens anew.
+  fails the download (``Changed``), which the reader's retry opens anew; so does a range
+  of such a download (:func:`range_reader`), probed or not, where fsspec's ``cat_file``
+  would have joined the bytes of two versions of a file replaced by one of equal size.
 * The signature is the one ``info()`` gives (s3fs builds both from the same headers), so
   a later open's HEAD finds the entry valid.
 * Opens are probed, where a reader (or a ``TableSource`` fetch thread, whose requests
@@ -45,7 +47,7 @@ from fsspec.asyn import sync
 
 from .cache_stream import Changed
 
-__all__ = ["PROBE_BYTES", "probe", "write_rest"]
+__all__ = ["PROBE_BYTES", "probe", "range_reader", "write_rest"]
 
 #: Bytes an open asks for with the request that takes a file's signature (NOTE
 #: [ Probing a download ]): the first range of a download read as it arrives.
@@ -63,7 +65,7 @@ def probe(fs: Any, url: str) -> tuple[dict[str, Any], bytes] | None:
     Raises:
         Exception: What ``fs`` raised (a missing file, a fault), as ``info()`` would.
     """
-    if not callable(getattr(fs, "_call_s3", None)) or not callable(getattr(fs, "split_path", None)):
+    if not _probes(fs):
         return None
     bucket, key, version = fs.split_path(url)
     if version or not key:
@@ -131,3 +133,40 @@ def write_rest(
                 body.close()
 
         sync(fs.loop, rest)
+
+
+def range_reader(fs: Any, url: str, etag: str | None) -> Callable[[int, int], bytes | None]:
+    """Reads bytes ``start`` to ``end`` (excluded) of ``url``, as ``fs.cat_file`` does;
+    on s3fs, each answer is checked against ``etag`` (NOTE [ Probing a download ]).
+
+    The reader returns None for an answer of another ETag (so that its caller fails the
+    download at once, where a retry of the range would meet the same answer), and raises
+    what ``fs`` raised.
+    """
+    if etag is None or not _probes(fs):
+        return lambda start, end: fs.cat_file(url, start=start, end=end)
+    bucket, key, version = fs.split_path(url)
+    if version or not key:
+        return lambda start, end: fs.cat_file(url, start=start, end=end)
+
+    def read(start: int, end: int) -> bytes | None:
+        async def ranged() -> bytes | None:
+            answer = await fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+            )
+            body = answer["Body"]
+            try:
+                if str(answer.get("ETag", "")) != etag:
+                    return None
+                return await body.read()  # type: ignore[no-any-return]
+            finally:
+                body.close()
+
+        return sync(fs.loop, ranged)  # type: ignore[no-any-return]
+
+    return read
+
+
+def _probes(fs: Any) -> bool:
+    """Whether ``fs`` is one :func:`probe` asks (s3fs)."""
+    return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))

@@ -14,7 +14,8 @@ thread of the reader's process instead, and the reader reads the temp file as it
   one small request and a large file costs few. The last range asks for one byte past the
   signature's size: a longer or shorter answer means the file changed since its
   signature was taken, and fails the download (:class:`Changed`, a ``ConnectionError``,
-  which the reader's retry answers by opening the file anew).
+  which the reader's retry answers by opening the file anew). On S3 so does a range of
+  another ETag than the signature's (``range_reader`` in ``cache_probe.py``), not retried.
 * Each range's request is retried by the thread under the source's retry policy (NOTE
   [ Retries ] in ``retry.py``), so a fault costs one range, not the bytes before it. When
   a range's attempts are spent, the download fails with a ``StorageError`` that the
@@ -121,16 +122,18 @@ def fetch_into(
     url: str,
     download: Download,
     counted: Callable[[int], None],
-    retried: Callable[[Callable[[], bytes]], bytes],
+    retried: Callable[[Callable[[], bytes | None]], bytes | None],
     *,
     first: bytes = b"",
+    read: Callable[[int, int], bytes | None] | None = None,
 ) -> None:
     """Downloads ``url`` into ``download.temp`` (created already) range by range (NOTE
     [ Reading a download ]), each range's request run by ``retried`` (the source's retry
     policy), telling ``counted`` and then ``download`` as the bytes land (so that a
     reader who read them finds them counted). ``first``: the file's first bytes, fetched
     and counted already (NOTE [ Probing a download ] in ``cache_probe.py``); the ranges
-    start after them.
+    start after them. ``read(start, end)``: a range's bytes (default ``fs.cat_file``),
+    None when the answer is of another version of the file.
 
     Raises:
         Changed: The file's length is not ``download.size``.
@@ -147,8 +150,13 @@ def fetch_into(
             end = min(position + chunk, size)
             last = end == size
             stop = end + 1 if last else end
-            request = functools.partial(fs.cat_file, url, start=position, end=stop)
+            if read is None:
+                request = functools.partial(fs.cat_file, url, start=position, end=stop)
+            else:
+                request = functools.partial(read, position, stop)
             data = retried(request)
+            if data is None:  # not retried: the store would answer the same
+                raise Changed(f"{url} was replaced while it was being downloaded")
             if len(data) != end - position:
                 raise Changed(f"{url} answered {position + len(data)}+ bytes, not {size}")
             _write(fd, data)
