@@ -65,24 +65,10 @@ def probe(fs: Any, url: str) -> tuple[dict[str, Any], bytes] | None:
     Raises:
         Exception: What ``fs`` raised (a missing file, a fault), as ``info()`` would.
     """
-    if not _probes(fs):
+    if not _asks(fs, url):
         return None
-    bucket, key, version = fs.split_path(url)
-    if version or not key:
-        return None
-
-    async def ranged() -> tuple[dict[str, Any], bytes]:
-        answer = await fs._call_s3(
-            "get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{PROBE_BYTES - 1}"
-        )
-        body = answer["Body"]
-        try:
-            return answer, await body.read()
-        finally:
-            body.close()
-
     try:
-        answer, data = sync(fs.loop, ranged)
+        answer, data = _get(fs, url, f"bytes=0-{PROBE_BYTES - 1}")
     except OSError as exc:
         if exc.errno == errno.EINVAL:  # no byte to give (an empty file): ask info()
             return None
@@ -116,23 +102,12 @@ def write_rest(
         out.write(first)
         if len(first) >= signature["size"]:
             return
-        bucket, key, _ = fs.split_path(url)
 
-        async def rest() -> None:
-            answer = await fs._call_s3(
-                "get_object", Bucket=bucket, Key=key, Range=f"bytes={len(first)}-"
-            )
-            body = answer["Body"]
-            try:
-                if str(answer.get("ETag", "")) != signature["etag"]:
-                    raise Changed(f"{url} was replaced while it was being downloaded")
-                while chunk := await body.read(_READ_BYTES):
-                    out.write(chunk)
-                    counted(len(chunk))
-            finally:
-                body.close()
+        def landed(chunk: bytes) -> None:
+            out.write(chunk)
+            counted(len(chunk))
 
-        sync(fs.loop, rest)
+        _get(fs, url, f"bytes={len(first)}-", landed, etag=signature["etag"])
 
 
 def range_reader(fs: Any, url: str, etag: str | None) -> Callable[[int, int], bytes | None]:
@@ -143,30 +118,57 @@ def range_reader(fs: Any, url: str, etag: str | None) -> Callable[[int, int], by
     download at once, where a retry of the range would meet the same answer), and raises
     what ``fs`` raised.
     """
-    if etag is None or not _probes(fs):
-        return lambda start, end: fs.cat_file(url, start=start, end=end)
-    bucket, key, version = fs.split_path(url)
-    if version or not key:
+    if etag is None or not _asks(fs, url):
         return lambda start, end: fs.cat_file(url, start=start, end=end)
 
     def read(start: int, end: int) -> bytes | None:
-        async def ranged() -> bytes | None:
-            answer = await fs._call_s3(
-                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
-            )
-            body = answer["Body"]
-            try:
-                if str(answer.get("ETag", "")) != etag:
-                    return None
-                return await body.read()  # type: ignore[no-any-return]
-            finally:
-                body.close()
-
-        return sync(fs.loop, ranged)  # type: ignore[no-any-return]
+        try:
+            return _get(fs, url, f"bytes={start}-{end - 1}", etag=etag)[1]
+        except Changed:
+            return None
 
     return read
 
 
-def _probes(fs: Any) -> bool:
-    """Whether ``fs`` is one :func:`probe` asks (s3fs)."""
-    return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
+def _asks(fs: Any, url: str) -> bool:
+    """Whether this module asks the store for ``url`` itself: ``fs`` is s3fs and the URL
+    names an object without a version."""
+    if not callable(getattr(fs, "_call_s3", None)) or not callable(getattr(fs, "split_path", None)):
+        return False
+    _, key, version = fs.split_path(url)
+    return bool(key) and not version
+
+
+def _get(
+    fs: Any,
+    url: str,
+    span: str,
+    landed: Callable[[bytes], None] | None = None,
+    *,
+    etag: str | None = None,
+) -> tuple[dict[str, Any], bytes]:
+    """One GET of the byte range ``span`` (an HTTP ``Range``) of ``url``, an object of
+    ``fs`` (:func:`_asks`): its answer's headers and its bytes (with ``landed``, each
+    chunk is handed to it as it arrives instead, and the bytes returned are empty).
+
+    Raises:
+        Changed: ``etag`` is given and the answer is of another ETag (its body unread).
+        Exception: What ``fs`` raised.
+    """
+    bucket, key, _ = fs.split_path(url)
+
+    async def call() -> tuple[dict[str, Any], bytes]:
+        answer = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=span)
+        body = answer["Body"]
+        try:
+            if etag is not None and str(answer.get("ETag", "")) != etag:
+                raise Changed(f"{url} was replaced while it was being downloaded")
+            if landed is None:
+                return answer, await body.read()
+            while chunk := await body.read(_READ_BYTES):
+                landed(chunk)
+            return answer, b""
+        finally:
+            body.close()
+
+    return sync(fs.loop, call)  # type: ignore[no-any-return]
