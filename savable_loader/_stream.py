@@ -21,7 +21,10 @@ the stream ] in ``loader.py``), kills the hung workers (they would not see torch
 shutdown request), stops the stream and raises :class:`~savable_loader.WorkerError`. The
 user's own ``timeout`` keeps torch's meaning: no item within that many seconds raises (a
 WorkerError, which is a RuntimeError). Items that arrive cost nothing more: the progress
-check runs only after a wait of one poll interval.
+check runs only after a wait of one poll interval. One wait inside a try has no bound of
+its own, the main thread taking a batch's shared memory from a hung worker; a thread of
+the stream runs the same check then (NOTE [ A fetch stuck on a worker ] in
+``_fetch_guard.py``).
 
 NOTE [ Workers given up on ]
 A worker that does not answer a command within ``command_timeout`` (a save, the
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -68,6 +72,7 @@ from torch.utils.data import DataLoader
 from . import _torch_compat
 from ._commands import CommandChannel, NoAnswerError
 from ._events import CHECKPOINTING, PRODUCING, STARTING, Event
+from ._fetch_guard import FetchGuard
 from ._worker import WorkerWrapper
 from .config import WorkerConfig
 from .errors import WorkerError
@@ -158,7 +163,14 @@ class Stream:
         self.iterator: Any = None
         #: Workers that did not answer a command in time (NOTE [ Workers given up on ]).
         self.given_up: set[int] = set()
+        #: Held while the main thread or the guard talks to the workers.
+        self._lock = threading.RLock()
+        #: A hang the guard found (NOTE [ A fetch stuck on a worker ] in _fetch_guard.py).
+        self._found: Hang | None = None
+        self._guard: FetchGuard | None = None
         self.iterator = self._torch_iterator(first=True)
+        if self.num_workers > 0:
+            self._guard = FetchGuard(self._check_stuck_fetch, self._poll_seconds(), self._lock)
 
     def next_epoch(self) -> None:
         """Starts the next epoch on the same workers (persistent workers)."""
@@ -210,22 +222,47 @@ class Stream:
             Hang: A worker hung.
             WorkerError: No item arrived within the user's ``timeout``.
         """
-        iterator = self.iterator
-        if self.num_workers == 0:
+        iterator, guard = self.iterator, self._guard
+        if guard is None:
             return cast(Event, next(iterator))
         began = time.monotonic()
         while True:
+            self._raise_found()
+            guard.enter()
             try:
                 return cast(Event, next(iterator))
-            except RuntimeError as error:
+            except Exception as error:
+                self._raise_found()
                 if not _torch_compat.is_timeout(error):
                     raise
+            finally:
+                guard.leave()
             if self.timeout > 0 and time.monotonic() - began >= self.timeout:
                 raise WorkerError(
                     f"DataLoader timed out after {self.timeout} seconds: no item arrived "
                     "within the loader's timeout"
                 )
             self._watch()
+
+    def _check_stuck_fetch(self) -> bool:
+        """The guard's check (NOTE [ A fetch stuck on a worker ] in ``_fetch_guard.py``):
+        a worker that does not answer is hung; the stream keeps the hang, then kills the
+        worker so that the main thread's wait ends. Returns whether it found one."""
+        try:
+            self._request("progress", [{} for _ in range(self.num_workers)])
+        except Hang as hang:
+            self._found = hang
+            self.kill(hang.workers)
+            return True
+        except WorkerError as error:  # a death: torch's iterator tells the main thread
+            logger.debug("the fetch guard's check failed: %s", error)
+        return False
+
+    def _raise_found(self) -> None:
+        """Raises the hang the guard found, once."""
+        found, self._found = self._found, None
+        if found is not None:
+            raise found
 
     def _watch(self) -> None:
         """Raises :class:`Hang` naming the workers stuck beyond their bounds."""
@@ -281,6 +318,11 @@ class Stream:
             Hang: A worker did not answer in time (NOTE [ Workers given up on ]).
             WorkerError: A worker died or failed the command.
         """
+        with self._lock:
+            self._raise_found()  # the worker it names is killed: it would not answer
+            return self._request_locked(name, arguments)
+
+    def _request_locked(self, name: str, arguments: Sequence[dict[str, Any] | None]) -> list[Any]:
         if self.channel is None:
             raise WorkerError(f"cannot send {name!r}: the stream has no command channel")
         iterator = self.iterator
@@ -395,6 +437,9 @@ class Stream:
 
     def stop(self) -> None:
         """Stops the workers, closes the command channel and the pipeline. Idempotent."""
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
         self.kill(sorted(self.given_up))  # NOTE [ Workers given up on ]
         self.given_up.clear()
         iterator, self.iterator = self.iterator, None

@@ -28,10 +28,30 @@ def _sleeps(index: int) -> int:
     return index
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _deadlock(seconds: int) -> None:
+    """Blocks with the GIL held for ``seconds``, as a deadlocked C extension does: one
+    thread locks a mutex twice. Unlike ``sleep``, no signal ends the wait early."""
+    libc = ctypes.PyDLL(None)  # PyDLL keeps the GIL through the call
+    mutex = ctypes.create_string_buffer(64)  # zeroed: glibc's PTHREAD_MUTEX_INITIALIZER
+    libc.pthread_mutex_lock(mutex)
+    until = _Timespec(int(time.time()) + seconds, 0)
+    libc.pthread_mutex_timedlock(mutex, ctypes.byref(until))
+
+
 def _holds_the_gil(index: int) -> int:
     if index == HUNG_AT:
-        ctypes.PyDLL(None).sleep(60)  # libc's sleep through PyDLL, which keeps the GIL
+        _deadlock(60)
     return index
+
+
+def _holds_the_gil_after_a_batch(index: int) -> int:
+    if index == HUNG_AT - 1:
+        time.sleep(0.3)  # with the GIL free, the worker's first batch goes out
+    return _holds_the_gil(index)
 
 
 def _takes_sigusr2(worker_id: int) -> None:
@@ -79,6 +99,25 @@ def test_a_worker_stuck_with_the_gil_held_still_shows_its_stack() -> None:
         _, message = _error(loader)
     assert "worker 0 did not answer 'progress' within 2 s" in message
     assert "in _holds_the_gil" in message.partition(STACKS)[2]
+
+
+def test_a_batch_taken_from_a_worker_stuck_with_the_gil_held_ends_in_the_same_error() -> None:
+    """The main thread, taking in the worker's first batch, waits on a thread of the
+    worker for its shared memory; the worker is hung with the GIL held by then (NOTE
+    [ A fetch stuck on a worker ] in ``savable_loader/_fetch_guard.py``)."""
+    config = WorkerConfig(command_timeout=2)
+    with _loader(_holds_the_gil_after_a_batch, config) as loader:
+        stream = iter(loader)
+        time.sleep(1)  # the worker's first batch waits in the queue, and the worker hangs
+        began = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            list(stream)
+        elapsed = time.monotonic() - began
+    message = str(info.value)
+    assert "worker 0 did not answer 'progress' within 2 s" in message
+    assert "in _deadlock" in message.partition(STACKS)[2]
+    # Two poll intervals (0.5 s each), command_timeout, the stacks' wait, a loaded machine.
+    assert elapsed < 1 + 2 + 1 + SLACK
 
 
 def test_a_frozen_worker_is_reported_without_stacks_after_a_bounded_wait() -> None:
