@@ -9,10 +9,26 @@ events (NOTE [ Events ] in ``_events.py``). Torch calls :class:`WorkerInit` as t
 worker's ``worker_init_fn``: it shows the user's dataset to ``get_worker_info()`` (NOTE
 [ The worker's dataset ] in ``_torch_compat.py``) and runs the user's ``worker_init_fn``
 (NOTE [ worker_init_fn errors ] in ``_events.py``).
+
+NOTE [ Inherited objects are frozen ]
+A forked worker inherits every object of the main process: a training script's model,
+tokenizer and metadata, often millions of objects. Python's cyclic collector in the
+worker would walk all of them in each full collection, writing to every object's header,
+so the worker copies the pages it shares with its parent (copy-on-write) and spends CPU
+on objects it never uses; a worker that allocates a lot (an S3 client, decoding JSON)
+runs such collections early. So :class:`WorkerInit` calls ``gc.freeze()`` first, as
+Python's documentation advises for forked children: what exists when the worker starts
+moves to the collector's permanent generation (an O(1) move that touches no object),
+and the worker's collections see only what the worker itself creates. Measured in
+``tests/test_composed.py``'s S3 check with 2 workers per loader, whose main process held
+1.5 million extra objects: 10.3 s, and 3.9 s with the freeze (3.6 s without the extra
+objects). A worker's ``gc.get_objects()`` therefore lists only the objects it created;
+``gc.unfreeze()`` in ``worker_init_fn`` undoes it.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -178,6 +194,7 @@ class WorkerInit:
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
+        gc.freeze()  # NOTE [ Inherited objects are frozen ]
         info = get_worker_info()
         wrapper = info.dataset if info is not None else None
         if not isinstance(wrapper, WorkerWrapper):
