@@ -126,6 +126,25 @@ def _no_leaked_child_processes() -> Iterator[None]:
         )
 
 
+# NOTE [ In-memory files ]
+# fsspec's memory:// filesystem keeps its files in one dict for the whole process, so a
+# test's files would stay for the rest of the suite: the cache and source tests write
+# shards of several MB there, which grew the pytest process by about 100 MB, and every
+# fork of a worker costs in proportion to what the process holds (NOTE [ Heavy imports
+# last ]). The files and folders a test adds are removed after it.
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_memory_files() -> Iterator[None]:
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    files, folders = set(MemoryFileSystem.store), set(MemoryFileSystem.pseudo_dirs)
+    yield
+    for path in set(MemoryFileSystem.store) - files:
+        MemoryFileSystem.store.pop(path, None)
+    MemoryFileSystem.pseudo_dirs[:] = [d for d in MemoryFileSystem.pseudo_dirs if d in folders]
+
+
 # NOTE [ Heavy imports last ]
 # Every worker a test starts is forked from this process, and a fork costs in proportion
 # to what the process has mapped: with the trainers, Hugging Face datasets, moto and

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -92,6 +93,11 @@ def moto_server() -> Iterator[str]:
         client(url).create_bucket(Bucket=BUCKET)
         yield url
     finally:
+        # moto keeps its buckets in the process after its server stops: free them (NOTE
+        # [ In-memory files ] in conftest.py says why the process's size matters).
+        with contextlib.suppress(OSError):
+            reset = urllib.request.Request(f"{url}/moto-api/reset", method="POST")
+            urllib.request.urlopen(reset, timeout=10).close()
         server.stop()
         _clear_s3fs_instances()
         werkzeug_logger.setLevel(level)
