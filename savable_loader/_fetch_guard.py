@@ -19,7 +19,10 @@ of the connection closes), and the main thread raises the kept hang instead of t
 torch raised. The guard and the main thread take turns on the command channel (the
 stream's lock), and the guard never acts while the main thread is out of torch's
 iterator. With ``pin_memory=True`` torch's pin thread does that unpickling, the main
-thread's tries stay bounded, and the watchdog finds the hang itself.
+thread's tries stay bounded, and the watchdog finds the hang itself. Torch 2.4, whose
+wait then fails with the worker not yet reaped, opens 10 temporary files to test for a
+lack of file descriptors and leaves them to the garbage collector (a ``ResourceWarning``
+when they are collected; later torch closes them).
 """
 
 from __future__ import annotations
