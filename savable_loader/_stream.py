@@ -254,8 +254,9 @@ class Stream:
             self._found = hang
             self.kill(hang.workers)
             return True
-        except WorkerError as error:  # a death: torch's iterator tells the main thread
-            logger.debug("the fetch guard's check failed: %s", error)
+        except Exception as error:  # a death (a broken pipe too): torch's iterator tells
+            # the main thread, and the guard's thread must not end on it
+            logger.debug("the fetch guard's check failed: %r", error)
         return False
 
     def _raise_found(self) -> None:
