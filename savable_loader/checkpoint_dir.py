@@ -29,11 +29,11 @@ import os
 import uuid
 from typing import Any
 
-import fsspec
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import distributed, serialization, storage
+from ._filesystems import url_to_fs
 from .errors import ConfigError, StateError, StateFormatError, StorageError
 from .state.files import load_state, read_state_bytes, save_state
 from .state.models import RankState
@@ -194,7 +194,7 @@ def _agree(group: Any, failure: BaseException | None, what: str, default: Any) -
 def _remove_older(root: str, keep: str, storage_options: dict[str, Any]) -> None:
     """Removes the folders of earlier saves (best effort: a leftover costs only space)."""
     with contextlib.suppress(Exception):
-        fs, path = fsspec.url_to_fs(root, **storage_options)
+        fs, path = url_to_fs(root, **storage_options)
         for entry in fs.ls(path, detail=False):
             name = str(entry).rstrip("/").rsplit("/", 1)[-1]
             if len(name) == 32 and name != keep and all(c in "0123456789abcdef" for c in name):

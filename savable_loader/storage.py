@@ -36,6 +36,7 @@ from typing import Any
 
 import fsspec
 
+from savable_loader._filesystems import url_to_fs
 from savable_loader.errors import ConfigError, StateFileNotFoundError, StorageError
 
 __all__ = ["describe_error", "read_bytes", "write_bytes"]
@@ -62,7 +63,7 @@ def write_bytes(url: str | os.PathLike[str], data: bytes, **storage_options: Any
     url, local = _resolve(url, storage_options)
     if local is None:
         with _remote_errors(url, "write"):
-            fs, path = fsspec.url_to_fs(url, **storage_options)
+            fs, path = url_to_fs(url, **storage_options)
             fs.pipe_file(path, data)
         return
     # Through a symlink, replace the file it points to and keep the link.
@@ -106,7 +107,7 @@ def read_bytes(url: str | os.PathLike[str], **storage_options: Any) -> bytes:
     url, local = _resolve(url, storage_options)
     if local is None:
         with _remote_errors(url, "read"):
-            fs, path = fsspec.url_to_fs(url, **storage_options)
+            fs, path = url_to_fs(url, **storage_options)
             content: bytes = fs.cat_file(path)
         return content
     try:

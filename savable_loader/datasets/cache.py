@@ -81,7 +81,7 @@ from fsspec.core import get_compression
 from ..errors import StorageError
 from .cache_entries import cacheable, commit, entry_path, is_valid, signature_of, temp_path
 from .cache_evict import evict, over, record
-from .cache_probe import probe, range_reader, write_rest
+from .cache_probe import asks, probe, range_reader, write_rest
 from .cache_stream import STREAM_MIN_BYTES, Download, GrowingFile, fetch_into
 from .cache_stream import Changed as _Changed
 from .held_file import HeldFile
@@ -375,12 +375,13 @@ class FileCache:
         ``cache_probe.py``). The download is counted before the sidecar makes the entry
         valid, so a reader that finds it valid also finds it counted."""
         temp = temp_path(self.directory, url)
+        ours = first is not None or asks(fs, url)
         try:
-            if first is None:
+            if ours:  # counted as it lands (a probe's bytes already are)
+                write_rest(fs, url, signature, first or b"", temp, self._count_bytes)
+            else:
                 fs.get_file(url, str(temp))  # one GET on object stores (open would HEAD first)
-            else:  # the rest counted as it lands (the probe's bytes already are)
-                write_rest(fs, url, signature, first, temp, self._count_bytes)
-            self._commit(url, temp, signature, prefetch=prefetch, counted=first is not None)
+            self._commit(url, temp, signature, prefetch=prefetch, counted=ours)
         except BaseException:
             temp.unlink(missing_ok=True)
             raise

@@ -31,6 +31,7 @@ import fsspec
 import fsspec.asyn
 from fsspec.core import get_compression
 
+from .._filesystems import url_to_fs
 from ..errors import ConfigError
 from .cache import DEFAULT_CACHE_LIMIT, FileCache, cacheable
 from .counted_reads import CountedReads
@@ -172,7 +173,7 @@ class FileAccess:
         """This process's fsspec filesystem for ``url``'s protocol."""
         key = f"{os.getpid()}:{url.partition('://')[0] if '://' in url else 'file'}"
         if key not in self._filesystems:
-            self._filesystems[key] = fsspec.url_to_fs(url, **self.storage_options)[0]
+            self._filesystems[key] = url_to_fs(url, **self.storage_options)[0]
         return self._filesystems[key]
 
     def file_cache(self) -> FileCache | None:

@@ -268,8 +268,6 @@ class ShardCursor(Cursor[T]):
     def open_file(self, url: str) -> IO[bytes]:
         """Returns the open file being read, positioned at ``offset``."""
         if self.file is None:
-            if self.stage.cache_dir is not None and self.stage.prefetch:
-                self.stage.prefetch_files(self.upcoming())
             with storage_errors(url):
                 file = self.stage.open(url, stream=True)
                 try:
@@ -279,6 +277,9 @@ class ShardCursor(Cursor[T]):
                     file.close()
                     raise
             self.file = file
+            # After the open: its first bytes do not share the store with the files ahead.
+            if self.stage.cache_dir is not None and self.stage.prefetch:
+                self.stage.prefetch_files(self.upcoming())
         return self.file
 
     def upcoming(self) -> list[str]:

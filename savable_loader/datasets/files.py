@@ -14,9 +14,9 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from .._filesystems import url_to_fs
 from ..errors import ConfigError, SavableLoaderError, StorageError
 from ..storage import describe_error
 
@@ -60,7 +60,7 @@ def expand_urls(
         if not isinstance(url, str):
             raise ConfigError(f"{stage} takes paths or URLs as str, got {type(url).__name__}")
         with storage_errors(url, "list"):
-            fs, path = fsspec.url_to_fs(url, **storage_options)
+            fs, path = url_to_fs(url, **storage_options)
             if "::" in url or not _GLOB_CHARACTERS.intersection(path):
                 found.add(url if "::" in url else _unstrip(fs, path))
                 continue

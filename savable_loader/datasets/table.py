@@ -42,8 +42,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import fsspec
-
+from .._filesystems import url_to_fs
 from ..config import WorkerContext
 from ..errors import ConfigError
 from .cache import cacheable
@@ -236,7 +235,7 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
                 "use_listings_cache": False,  # NOTE [ Listing folders ]
                 "skip_instance_cache": True,
             }
-            listings = FolderListings(lambda folder: fsspec.url_to_fs(folder, **options)[0])
+            listings = FolderListings(lambda folder: url_to_fs(folder, **options)[0])
             self._listings = (os.getpid(), listings)
         return self._listings[1]
 

@@ -51,10 +51,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from .._filesystems import url_to_fs
 from ..config import WorkerContext
 from ..errors import ConfigError
 from .cache import cacheable
@@ -174,7 +174,7 @@ class TokenSource(FileAccess, IndexedDataset[np.ndarray]):
         """This process's filesystem for ``url`` (built once per protocol with the
         ``storage_options``), and the path of ``url`` on it."""
         if "::" in url:
-            fs, path = fsspec.url_to_fs(url, **self.storage_options)
+            fs, path = url_to_fs(url, **self.storage_options)
             return fs, path
         fs = self.filesystem(url)
         return fs, fs._strip_protocol(url)

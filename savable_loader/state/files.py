@@ -32,9 +32,8 @@ import stat
 from collections.abc import Sequence
 from typing import IO, Any
 
-import fsspec
-
 from .. import serialization, storage
+from .._filesystems import url_to_fs
 from ..errors import StateFormatError, StorageError
 from .models import RankState
 
@@ -144,7 +143,7 @@ def read_state_bytes(
         return _read_local(url, local, limit)
     try:
         with storage._remote_errors(url, "read"):
-            fs, path = fsspec.url_to_fs(url, **storage_options)
+            fs, path = url_to_fs(url, **storage_options)
             with fs.open(path, "rb") as file:
                 size = getattr(file, "size", None)
                 return _read_bounded(url, file, size if isinstance(size, int) else None, limit)
