@@ -7,9 +7,9 @@ entry behind even when it stops early."""
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import tarfile
-import tempfile
 import threading
 import time
 import uuid
@@ -263,11 +263,12 @@ def test_a_retried_stream_through_a_failing_download_equals_a_fault_free_one(
     fresh.close_cache()
 
 
-def test_a_loader_reading_downloads_as_they_arrive_resumes_exactly() -> None:
+def test_a_loader_reading_downloads_as_they_arrive_resumes_exactly(tmp_path: Path) -> None:
     pattern = _shards(3, 30, 150_000)
+    caches = itertools.count()
 
     def build() -> TarSource:  # a cache of its own each time: every loader downloads
-        folder = tempfile.mkdtemp(prefix="stream-cache-")
+        folder = tmp_path / f"cache-{next(caches)}"  # removed with tmp_path, not left in /tmp
         return TarSource(pattern, shuffle_shards=True, seed=4, cache_dir=folder, prefetch=0)
 
     check_stage(build, num_workers=2, batch_size=4, num_points=2)
