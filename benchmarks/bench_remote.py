@@ -60,10 +60,20 @@ before and after each measurement; the loader's main process is measured the sam
 its workers through ``RUSAGE_CHILDREN`` once they are joined. "cores busy" is all of it
 over the measurement's wall time: near 2, the run was bound by CPU, not by latency.
 
+NOTE [ The cache's disk ]
+A cache entry creates four files (the data, its sidecar and two lock files:
+NOTE [ File cache ] in ``savable_loader/datasets/cache.py``), so a table of small files
+pays for file creation once per row. On this project's VM, creating a file in a new folder under
+``/tmp`` took 116 to 537 us, against 18 us under ``/work``, the same ext4 disk
+(measured 2026-11-27; the cause was not traced). ``--dir`` chooses where
+the run keeps its data and caches, as a user chooses a node-local disk for
+``cache_dir``; every run measures and reports the cost of creating a file there.
+
 Usage::
 
     python benchmarks/bench_remote.py [--quick] [--rounds R] [--latency S]
-        [--only NAME,...] [--max-seconds S] [--server process|inline] [--plot] [--plot-only]
+        [--only NAME,...] [--max-seconds S] [--server process|inline] [--dir D]
+        [--plot] [--plot-only]
 
 ``--plot`` draws ``docs/img/remote.png`` after the run and ``--plot-only`` redraws it from
 ``results/bench_remote.json`` (both need matplotlib, imported only then).
@@ -80,6 +90,7 @@ import io
 import json
 import logging
 import multiprocessing
+import os
 import resource
 import shutil
 import statistics
@@ -315,6 +326,20 @@ class Server:
 # -- one measurement -------------------------------------------------------------------------
 
 
+def file_creation_us(folder: Path, count: int = 500) -> float:
+    """Microseconds to create (and close) one empty file in a new subfolder of ``folder``,
+    the median of ``count`` (NOTE [ The cache's disk ])."""
+    probe = folder / "creation-probe"
+    probe.mkdir()
+    times = []
+    for index in range(count):
+        started = time.perf_counter()
+        os.close(os.open(probe / f"f{index}", os.O_WRONLY | os.O_CREAT, 0o644))
+        times.append(time.perf_counter() - started)
+    shutil.rmtree(probe)
+    return statistics.median(times) * 1e6
+
+
 def write_counts(root: Path, names: list[str], options: dict[str, Any]) -> None:
     """The counts files of the ``:counts`` configurations: one beside the local files, one
     beside the uploaded ones (written from the bucket's listing, so that it records the
@@ -434,6 +459,12 @@ def main() -> None:
         help="stop a measurement this long after its first batch (default 20)",
     )
     parser.add_argument("--server", choices=("process", "inline"), default="process")
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="the folder of the run's data and caches (the node-local disk; default: the "
+        "system's temp folder; NOTE [ The cache's disk ])",
+    )
     parser.add_argument("--plot", action="store_true", help=f"draw {PLOT} (matplotlib)")
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
     args = parser.parse_args()
@@ -447,7 +478,8 @@ def main() -> None:
     units = common.units_for(ITEM_US)
     server = Server(inline=args.server == "inline")
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    with tempfile.TemporaryDirectory() as tmp, server.running():
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, server.running():
+        creation_us = file_creation_us(Path(tmp))
         root = Path(tmp) / "data"
         root.mkdir()
         write_data(root, sizes)
@@ -476,7 +508,7 @@ def main() -> None:
                     main_fs.invalidate_cache()  # every measurement lists its files anew
                 print(f"  {name}: round {round_ + 1}/{rounds}", flush=True)
     write = not args.quick and not server.inline and set(names) == set(SOURCES)
-    report(samples, args, sizes, rounds, max_seconds, write=write)
+    report(samples, args, sizes, rounds, max_seconds, creation_us, write=write)
     if args.plot:
         plot(samples, PLOT if write else Path(tempfile.gettempdir()) / PLOT.name)
 
@@ -548,6 +580,7 @@ def report(
     sizes: Sizes,
     rounds: int,
     max_seconds: float,
+    creation_us: float,
     *,
     write: bool,
 ) -> None:
@@ -579,6 +612,8 @@ def report(
         "per request; server share of CPU: its CPU over the server's, the loader's main "
         "process's and its workers' together; cores busy: that total over the wall time "
         "(2 = both cores busy).",
+        f"Disk: the data and the caches in {args.dir or 'the system temp folder'}, where "
+        f"creating a file took {creation_us:.0f} us (NOTE [ The cache's disk ]).",
     ]
     if capped:
         notes.append("Stopped at the time limit (not a whole epoch): " + ", ".join(capped) + ".")
@@ -596,12 +631,18 @@ def report(
             "server": args.server,
             "sources": list(samples),
             "sizes": dataclasses.asdict(sizes),
+            "dir": args.dir,
+            "file_creation_us": round(creation_us, 1),
         },
         columns=list(rows[0]),
         rows=rows,
         notes=notes,
         samples=samples,
-        command="python benchmarks/bench_remote.py --plot",
+        command=(
+            f"python benchmarks/bench_remote.py --rounds {rounds} --max-seconds {max_seconds:g}"
+            + (f" --dir {args.dir}" if args.dir else "")
+            + " --plot"
+        ),
         write=write,
     )
 

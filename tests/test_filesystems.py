@@ -78,9 +78,7 @@ def test_filesystems_share_one_data_loader_and_keep_their_own_sessions(s3: S3) -
     assert path == second._strip_protocol(s3.url("b"))
     assert first is not second
     assert first.session is not second.session
-    assert first.session.get_component("data_loader") is second.session.get_component(
-        "data_loader"
-    )
+    assert first.session.get_component("data_loader") is second.session.get_component("data_loader")
     s3.put("a", b"first")
     assert first.cat_file(s3.url("a")) == b"first"
 
