@@ -15,7 +15,16 @@ MAX_MODULE_LINES = 500
 MAX_LOADER_CLASS_LINES = 450
 #: What the pipeline layer (``savable_loader.datasets``) may import from the package: the
 #: layers below it, never the loader and its runtime above.
-DATASETS_MAY_IMPORT = ("config", "errors", "plain", "rng", "state", "storage", "_filesystems", "datasets")
+DATASETS_MAY_IMPORT = (
+    "config",
+    "errors",
+    "plain",
+    "rng",
+    "state",
+    "storage",
+    "_filesystems",
+    "datasets",
+)
 
 
 def _modules() -> dict[str, Path]:
