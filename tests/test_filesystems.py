@@ -12,6 +12,7 @@ import os
 import pickle
 import select
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -91,6 +92,19 @@ def test_a_session_the_user_gave_is_kept(s3: S3) -> None:
     assert fs.session is given
     s3.put("a", b"mine")
     assert fs.cat_file(s3.url("a")) == b"mine"
+
+
+def test_the_session_takes_the_options_s3fs_gives_its_own(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "aws-config"
+    config.write_text("[profile elsewhere]\nregion = eu-west-3\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    fs, _ = url_to_fs(s3.url("a"), **_fresh(s3, profile="elsewhere"))
+    assert fs.session.profile == "elsewhere"
+    assert fs.session.get_config_variable("region") == "eu-west-3"
+    s3.put("a", b"profiled")
+    assert fs.cat_file(s3.url("a")) == b"profiled"
 
 
 def test_other_filesystems_are_left_alone() -> None:
