@@ -2,16 +2,14 @@
 
 Against moto's loopback S3 server (``tests/s3_server.py``): a filesystem the library
 builds gets a session of its own whose botocore data loader is the process's one; a
-session the user gave is kept; a forked child (what a DataLoader worker is) builds its
+session the user gave is kept; a forked DataLoader worker builds its
 client and answers its first request without parsing a model file again.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import select
-from collections.abc import Callable
+import functools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +19,13 @@ from s3_server import S3, S3FS_WARNINGS
 
 from savable_loader import SavableDataLoader
 from savable_loader._filesystems import url_to_fs
-from savable_loader.datasets import JsonLinesSource
+from savable_loader.datasets import IndexedDataset, JsonLinesSource
 
 pytestmark = [S3FS_WARNINGS]
 
-_CHILD_TIMEOUT_S = 60.0
+#: The model files botocore parsed, in this process or a worker forked from it
+#: (:func:`_count_parsing`).
+_PARSED: list[str] = []
 
 
 def _fresh(s3: S3, **extra: Any) -> dict[str, Any]:
@@ -33,44 +33,25 @@ def _fresh(s3: S3, **extra: Any) -> dict[str, Any]:
     return {**s3.options(), "skip_instance_cache": True, **extra}
 
 
-def _in_fork(run: Callable[[], Any]) -> Any:
-    """``run()`` in a forked child; its result, or the child's error raised here."""
-    reading, writing = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        os.close(reading)
-        try:
-            answer = ("ok", run())
-        except BaseException as exc:  # reported to the parent, which fails the test
-            answer = ("error", repr(exc))
-        with os.fdopen(writing, "wb") as out:
-            pickle.dump(answer, out)
-        os._exit(0)
-    os.close(writing)
-    try:
-        ready, _, _ = select.select([reading], [], [], _CHILD_TIMEOUT_S)
-        assert ready, f"the forked child sent nothing in {_CHILD_TIMEOUT_S} s"
-        with os.fdopen(reading, "rb") as got:
-            status, value = pickle.load(got)
-    finally:
-        os.waitpid(pid, 0)
-    assert status == "ok", value
-    return value
+def _read_in_worker(url: str, options: dict[str, Any], index: int) -> tuple[bytes, list[str]]:
+    """In a DataLoader worker: ``url`` read through a new filesystem, and the model files
+    parsed in that worker."""
+    fs, _ = url_to_fs(url, **options)
+    return fs.cat_file(url), list(_PARSED)
 
 
-def _json_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The model files botocore parses from now on (paths, in order)."""
+def _count_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on, every model file botocore parses goes to :data:`_PARSED`."""
     from botocore.loaders import JSONFileLoader
 
-    parsed: list[str] = []
     load = JSONFileLoader.load_file
 
     def counted(self: Any, file_path: str) -> Any:
-        parsed.append(str(file_path))
+        _PARSED.append(str(file_path))
         return load(self, file_path)
 
     monkeypatch.setattr(JSONFileLoader, "load_file", counted)
-    return parsed
+    monkeypatch.setattr(sys.modules[__name__], "_PARSED", [])
 
 
 def test_filesystems_share_one_data_loader_and_keep_their_own_sessions(s3: S3) -> None:
@@ -113,23 +94,25 @@ def test_other_filesystems_are_left_alone() -> None:
     assert path == "/shared-models/a"
 
 
-def test_a_forked_child_parses_no_model_again(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_forked_worker_parses_no_model_again(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
     s3.put("a", b"parent")
     parent, _ = url_to_fs(s3.url("a"), **_fresh(s3))
     assert parent.cat_file(s3.url("a")) == b"parent"  # the parent's client parsed them
-    parsed = _json_reads(monkeypatch)
-
-    def child() -> tuple[bytes, list[str]]:
-        fs, _ = url_to_fs(s3.url("a"), **_fresh(s3))
-        return fs.cat_file(s3.url("a")), parsed
-
-    data, parsed_there = _in_fork(child)
+    _count_parsing(monkeypatch)
+    read = functools.partial(_read_in_worker, s3.url("a"), _fresh(s3))
+    with SavableDataLoader(
+        IndexedDataset(range(1)).map(read),
+        batch_size=None,
+        num_workers=1,
+        multiprocessing_context="fork",
+    ) as loader:
+        [(data, parsed_there)] = list(loader)
     assert data == b"parent"
     assert parsed_there == []
     # Without the shared loader a client parses its models: the check can fail.
     fresh = fsspec.filesystem("s3", **_fresh(s3))
     assert fresh.cat_file(s3.url("a")) == b"parent"
-    assert any("s3" in path for path in parsed)
+    assert any("s3" in path for path in _PARSED)
 
 
 def test_workers_read_s3_through_the_shared_models(s3: S3) -> None:

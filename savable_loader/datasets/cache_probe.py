@@ -96,8 +96,8 @@ def write_rest(
 ) -> None:
     """Writes ``url``'s bytes to ``temp``: ``first``, a probe's (empty for a whole
     download), then the rest of the file with one GET from where they end (none when
-    they are the whole file), telling ``counted`` of the rest's bytes as they land (NOTE
-    [ Probing a download ]).
+    they are the whole file), telling ``counted`` of the rest's bytes as they land
+    (NOTE [ Probing a download ]).
 
     Raises:
         Changed: The answer is of another ETag than ``signature``'s.
