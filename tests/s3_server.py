@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from savable_loader.testing.proxy import FaultProxy
+
 __all__ = [
     "BUCKET",
     "KEY_ID",
@@ -30,6 +32,7 @@ __all__ = [
     "S3",
     "S3FS_WARNINGS",
     "SECRET",
+    "RecordingProxy",
     "moto_server",
     "s3_access",
 ]
@@ -187,3 +190,22 @@ def s3_access(endpoint_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3
         yield S3(endpoint_url, f"test-{uuid.uuid4().hex}", client(endpoint_url), monkeypatch)
     finally:
         _clear_s3fs_instances()
+
+
+class RecordingProxy(FaultProxy):
+    """A FaultProxy that keeps the method of every request it receives."""
+
+    def __init__(self, upstream: str, **kwargs: Any) -> None:
+        super().__init__(upstream, **kwargs)
+        self.methods_seen: list[str] = []
+
+    def decide(self, method: str, path: str) -> str | None:
+        with self.lock:
+            self.methods_seen.append(method)
+        return super().decide(method, path)
+
+    def taken(self) -> list[str]:
+        """The methods received since the last call."""
+        with self.lock:
+            seen, self.methods_seen = self.methods_seen, []
+        return seen

@@ -423,7 +423,7 @@ def test_prefetched_files_never_opened_are_let_go(memory: str, tmp_path: Path) -
     urls = _urls(memory)
     cache = FileCache(tmp_path, 10**6, 1)
     for count, url in enumerate(urls[:3], 1):
-        cache.want([url], lambda _: fs)
+        cache.want([url], lambda _: fs, {})
         _wait(lambda count=count: cache.stats.prefetched == count)
         _wait(lambda url=url: list(cache._pinned) == [url])
     other = FileCache(tmp_path, 1, 0)

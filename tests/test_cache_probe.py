@@ -15,7 +15,7 @@ from typing import Any
 
 import fsspec
 import pytest
-from s3_server import REGION, S3, S3FS_WARNINGS
+from s3_server import REGION, S3, S3FS_WARNINGS, RecordingProxy
 
 from savable_loader.datasets import RetryPolicy
 from savable_loader.datasets import cache as cache_module
@@ -28,25 +28,6 @@ from savable_loader.testing.proxy import FaultProxy
 pytestmark = [S3FS_WARNINGS, pytest.mark.timeout(120)]
 
 LIMIT = 64 * 2**20
-
-
-class RecordingProxy(FaultProxy):
-    """A FaultProxy that keeps the method of every request it receives."""
-
-    def __init__(self, upstream: str, **kwargs: Any) -> None:
-        super().__init__(upstream, **kwargs)
-        self.methods_seen: list[str] = []
-
-    def decide(self, method: str, path: str) -> str | None:
-        with self.lock:
-            self.methods_seen.append(method)
-        return super().decide(method, path)
-
-    def taken(self) -> list[str]:
-        """The methods received since the last call."""
-        with self.lock:
-            seen, self.methods_seen = self.methods_seen, []
-        return seen
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from stage_harness import check_stage
 from test_split_samples import KINDS, LENGTHS, _contexts, _write_jsonl, _write_tar
 
 from savable_loader import ConfigError, SavableDataLoader, StorageError
-from savable_loader.datasets import JsonLinesSource, TarSource
+from savable_loader.datasets import JsonLinesSource, RetryPolicy, TarSource
 from savable_loader.datasets.counts_file import FORMAT, same_file
 from savable_loader.datasets.sharded import ShardedSource
 from savable_loader.testing.proxy import FaultProxy
@@ -235,16 +235,18 @@ def test_on_s3_the_counts_come_from_one_request(
     TarSource(pattern, storage_options=options).write_counts(s3.url("tar/counts.json"))
     assert len(counted) == len(LENGTHS)
     counted.clear()
-    source = TarSource(pattern, storage_options=options, counts=s3.url("tar/counts.json"))
     before = proxy.stats.requests
+    source = TarSource(pattern, storage_options=options, counts=s3.url("tar/counts.json"))
+    # The glob's listing and the GET of the counts file, sent together while the source
+    # is built; the signatures come from the listing.
+    assert proxy.stats.requests - before == 2
     assert source.sample_counts() == tuple(LENGTHS)
-    # The GET of the counts file: the signatures come from the glob's listing.
-    assert proxy.stats.requests - before == 1
+    assert proxy.stats.requests - before == 2
     assert counted == []
     # Literal URLs: one HEAD per file besides, in the counting threads.
     urls = [s3.url(f"tar/shard-{shard:02d}.tar") for shard in range(len(LENGTHS))]
-    literal = TarSource(urls, storage_options=options, counts=s3.url("tar/counts.json"))
     before = proxy.stats.requests
+    literal = TarSource(urls, storage_options=options, counts=s3.url("tar/counts.json"))
     assert literal.sample_counts() == tuple(LENGTHS)
     assert proxy.stats.requests - before == 1 + len(LENGTHS)
     assert counted == []
@@ -253,3 +255,48 @@ def test_on_s3_the_counts_come_from_one_request(
     again = TarSource(pattern, storage_options=options, counts=s3.url("tar/counts.json"))
     assert again.sample_counts() == (LENGTHS[0], LENGTHS[3], *LENGTHS[2:])
     assert counted == [s3.url("tar/shard-01.tar")]
+
+
+class _RefusingCounts(FaultProxy):
+    """Answers the first ``refusals`` GETs of a counts file ``503 SlowDown``."""
+
+    def __init__(self, upstream: str, refusals: int) -> None:
+        super().__init__(upstream)
+        self.refusals = refusals
+
+    def decide(self, method: str, path: str) -> str | None:
+        fault = super().decide(method, path)
+        with self.lock:
+            if method == "GET" and path.endswith("counts.json") and self.refusals:
+                self.refusals -= 1
+                return "slow_down"
+        return fault
+
+
+@S3FS_WARNINGS
+@pytest.mark.parametrize("refusals", [1, 3])
+def test_a_refused_early_request_of_the_counts_file_is_asked_again(
+    s3: S3, endpoint_url: str, tmp_path: Path, counted: list[str], refusals: int
+) -> None:
+    """The counts file is requested while the source lists (NOTE [ Counts files ]); that
+    request failing costs a request again, retried as any read, never a count."""
+    _write_tar(tmp_path)
+    for path in sorted(tmp_path.glob("*.tar")):
+        s3.put(f"tar/{path.name}", path.read_bytes())
+    pattern = s3.url("tar/*.tar")
+    TarSource(pattern, storage_options=s3.options()).write_counts(s3.url("tar/counts.json"))
+    counted.clear()
+    with _RefusingCounts(endpoint_url, refusals) as proxy:
+        options = {
+            **s3.options(),
+            "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
+        }
+        source = TarSource(
+            pattern,
+            storage_options=options,
+            counts=s3.url("tar/counts.json"),
+            retry=RetryPolicy(attempts=refusals + 1, base_delay=0.0, max_delay=0.0),
+        )
+        assert source.sample_counts() == tuple(LENGTHS)
+        assert proxy.refusals == 0
+    assert counted == []

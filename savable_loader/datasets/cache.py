@@ -14,8 +14,8 @@ its one writer.
   too, reads it without downloading. A changed remote file is downloaded again. An open
   of a URL that has no sidecar takes the signature from the download's first request
   instead (NOTE [ Probing a download ] in ``cache_probe.py``). A caller
-  that already knows the signature from a listing (``TableSource`` with ``list_folders``:
-  NOTE [ Listing folders ] in ``listing.py``) passes it instead of asking ``info()``; if
+  that knows the signature from a listing (NOTE [ Listing folders ] in ``listing.py``,
+  NOTE [ Listed signatures ] in ``files.py``) passes it instead of asking ``info()``; if
   the download's size then differs from it, ``info()`` is asked and the file downloaded
   again.
 * Writes are atomic: the bytes go to a temp file in the same folder, are fsynced and renamed
@@ -96,7 +96,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_LIMIT = 10 * 2**30
 
 _IDLE_SECONDS = 1.0
-
+#: Signatures (:func:`signature_of`) by URL.
+_Signatures = dict[str, dict[str, Any]]
 
 #: Every cache object of this process, whose inherited locks a forked child lets go.
 _CACHES: weakref.WeakSet[FileCache] = weakref.WeakSet()
@@ -131,7 +132,7 @@ class FileCache:
         self._checked: dict[str, dict[str, Any]] = {}  # prefetched: url -> signature
         self._pinned: dict[str, int] = {}  # prefetched: url -> fd of its shared lock
         self._wanted: set[str] = set()
-        self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._held: set[int] = set()  # lock fds of the entries this object holds
@@ -420,8 +421,9 @@ class FileCache:
 
     # -- prefetching (NOTE [ Prefetching files ]) ----------------------------------------
 
-    def want(self, urls: list[str], fs_for: Callable[[str], Any]) -> None:
-        """Downloads ``urls`` (the next files of a stream) in the background."""
+    def want(self, urls: list[str], fs_for: Callable[[str], Any], known: _Signatures) -> None:
+        """Downloads ``urls`` (the next files of a stream) in the background; ``known``:
+        their signatures from a listing, where one holds them (as in :meth:`open`)."""
         if self.prefetch == 0:
             return
         with self._mutex:
@@ -430,7 +432,7 @@ class FileCache:
             fresh = [u for u in urls[: self.prefetch] if cacheable(u) and u not in self._wanted]
             self._wanted.update(fresh)
             for url in fresh:
-                self._jobs.put((url, fs_for))
+                self._jobs.put((url, fs_for, known.get(url)))
             self._threads = [t for t in self._threads if t.is_alive()]
             for _ in range(min(self.prefetch, len(fresh)) - len(self._threads)):
                 thread = threading.Thread(target=self._work, name="cache-prefetch", daemon=True)
@@ -445,17 +447,17 @@ class FileCache:
                 return
             if job is None:
                 return
-            url, fs_for = job
+            url, fs_for, signature = job
             try:
-                self._fetch(url, fs_for(url))
+                self._fetch(url, fs_for(url), signature)
             except Exception as exc:  # the reader's own open retries and raises
                 logger.debug("prefetching %s failed: %r", url, exc)
                 with self._mutex:
                     self._wanted.discard(url)
 
-    def _fetch(self, url: str, fs: Any) -> None:
+    def _fetch(self, url: str, fs: Any, signature: dict[str, Any] | None) -> None:
         # Not probed: no reader waits for this round trip (NOTE [ Probing a download ]).
-        signature = signature_of(fs.info(url))
+        signature = signature or signature_of(fs.info(url))
         if signature["size"] > self.limit:
             return
         fd, _, _ = self._hold(url, fs, signature, prefetch=True)

@@ -20,6 +20,11 @@ as the loader would), and a source built with ``counts=url`` takes them from it:
   after it was counted is an error when read, as always.
 * The signatures come from the listing of the source's globs when it holds them (one
   request per folder on S3), else from ``info()`` per file, in the counting threads.
+* A remote counts file is requested while the source lists its globs, in a thread of its
+  own, so that the two round trips to the store overlap when the source is built. Its
+  bytes are kept for the first read of the counts; if it failed, that read requests the
+  file again, retried like any other read, so an error of the early request costs one
+  request, nothing more.
 * A counts file that is missing, unreadable or malformed, or was written by another type of
   source, is an error naming it, never a silent count.
 """
@@ -42,6 +47,7 @@ __all__ = [
     "CountsFile",
     "FileCount",
     "fetch_counts",
+    "local_url",
     "read_counts",
     "recorded_signature",
     "same_file",
@@ -91,7 +97,7 @@ def _folder(url: str) -> str:
     return url.rpartition("/")[0] + "/" if "/" in url else ""
 
 
-def _local(url: str) -> bool:
+def local_url(url: str) -> bool:
     """Whether ``url`` is a local path (which takes no storage options)."""
     return "://" not in url or url.startswith("file://")
 
@@ -121,7 +127,7 @@ def write_counts(
         for file, count, signature in zip(urls, counts, signatures, strict=True)
     ]
     content = CountsFile(format=FORMAT, version=1, source=source, files=files)
-    options = {} if _local(url) else storage_options  # the source's options are remote
+    options = {} if local_url(url) else storage_options  # the source's options are remote
     write_bytes(url, (content.model_dump_json(indent=1) + "\n").encode(), **options)
 
 
@@ -135,7 +141,7 @@ def fetch_counts(url: str, source: str, filesystem: Callable[[str], Any]) -> byt
         Exception: What the filesystem raised otherwise (the caller retries it).
     """
     try:
-        if _local(url):
+        if local_url(url):
             return read_bytes(url)
         try:
             data: bytes = filesystem(url).cat_file(url, start=0)

@@ -34,6 +34,8 @@ from fsspec.core import get_compression
 from .._filesystems import url_to_fs
 from ..errors import ConfigError
 from .cache import DEFAULT_CACHE_LIMIT, FileCache, cacheable
+from .cache_entries import is_valid
+from .cache_probe import asks
 from .counted_reads import CountedReads
 from .files import storage_errors
 from .retry import RetryPolicy, retrying
@@ -64,6 +66,9 @@ class FileAccess:
     cache_dir: str | None
     cache_limit: int
     prefetch: int
+    #: Each file's signature as the source's listing gave it when it was built (NOTE
+    #: [ Listed signatures ] in ``files.py``), by URL; empty for a source that lists none.
+    listed: dict[str, dict[str, Any]]
     _filesystems: dict[str, Any]
     _cache: tuple[int, FileCache] | None
     _counted: dict[int, CountedReads]
@@ -107,6 +112,7 @@ class FileAccess:
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self.cache_limit = DEFAULT_CACHE_LIMIT if cache_limit is None else cache_limit
         self.prefetch = prefetch
+        self.listed = {}
         self._filesystems = {}
         self._cache = None
         self._counted = {}
@@ -145,6 +151,7 @@ class FileAccess:
         cache = self.file_cache()
         if cache is not None:
             fs = self.filesystem(url)
+            known = known or self._listed_hit(cache, url)
             return cache.open(url, fs, ahead=ahead, known=known, stream=stream, retry=self.retry)
         return self.counted_reads().open(self.filesystem(url), url, ahead=ahead)
 
@@ -218,7 +225,20 @@ class FileAccess:
         background (NOTE [ Prefetching files ] in ``cache.py``); nothing without one."""
         cache = self.file_cache()
         if cache is not None and urls:
-            cache.want(urls, self.filesystem)
+            listed = {url: self._listed_signature(url) for url in urls}
+            cache.want(urls, self.filesystem, {u: s for u, s in listed.items() if s is not None})
+
+    def _listed_signature(self, url: str) -> dict[str, Any] | None:
+        """``url``'s signature from the source's listing, where the cache may take it
+        instead of asking the store (NOTE [ Listed signatures ] in ``files.py``)."""
+        known = self.listed.get(url)
+        return known if known is not None and asks(self.filesystem(url), url) else None
+
+    def _listed_hit(self, cache: FileCache, url: str) -> dict[str, Any] | None:
+        """``url``'s listed signature when ``cache`` holds the file it describes (NOTE
+        [ Listed signatures ] in ``files.py``): an open then asks the store nothing."""
+        known = self._listed_signature(url)
+        return known if known is not None and is_valid(cache.directory, url, known) else None
 
     def close_cache(self) -> None:
         """Stops this process's prefetch threads and logs its counters (``cache_stats()``)

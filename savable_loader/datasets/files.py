@@ -5,6 +5,27 @@ A file source takes paths, globs or fsspec URLs. Globs are expanded with fsspec 
 stage is built, in the process that builds it, and the whole list is sorted, so every
 worker of every rank sees the same list. A glob matching nothing is a ``ConfigError``; a
 literal path is kept without a look-up, so a missing file shows when it is read.
+
+NOTE [ Listed signatures ]
+On S3 a listing gives each file's size, ETag and modification time: the signature that
+the cache checks an entry against (NOTE [ File cache ] in ``cache.py``), for which it
+otherwise asks ``info()``, a HEAD request, at every open. The file sources that list
+globs (the sharded ones, ``TokenSource``) keep what their listing said of each file
+(``listed``, the counts file's signatures too) and, with ``cache_dir``, spend it so:
+
+* An open of a file whose cached entry holds the listed version reads it without a
+  request, in every worker and epoch. Any other open asks the store as before: its
+  download's first request brings the signature (NOTE [ Probing a download ] in
+  ``cache_probe.py``), so a file replaced since the listing is downloaded as it is now.
+* A prefetch thread downloads a listed file with one GET checked against the listed
+  ETag, without ``info()`` first. A file replaced since the listing fails that check:
+  the thread drops it, and the reader's own open downloads it as above.
+* The listing is taken when the source is built, as are its file list and counts; an
+  entry cached before a file was replaced is read until the source is built again (a
+  restart lists anew). Without a listed signature, a change shows at the next open.
+* Only s3fs listings are used so, whose signatures equal what ``info()`` and a GET's
+  headers give (checked by ``tests/test_listed_signatures.py``); other stores ask
+  ``info()`` as before. A literal path, not listed, asks too.
 """
 
 from __future__ import annotations

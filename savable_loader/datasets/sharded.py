@@ -50,7 +50,14 @@ from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import derive_seed
 from .cache import signature_of
-from .counts_file import FileCount, fetch_counts, read_counts, recorded_signature, same_file
+from .counts_file import (
+    FileCount,
+    fetch_counts,
+    local_url,
+    read_counts,
+    recorded_signature,
+    same_file,
+)
 from .counts_file import write_counts as write_counts_file
 from .cursor import validate_state
 from .elastic import ReshardPlan
@@ -158,12 +165,19 @@ class ShardedSource(FileAccess, Stage[T]):
             prefetch=prefetch,
         )
         self.counts = None if counts is None else os.fspath(counts)
-        # What the listing said of each file (its signature), for the counts file.
-        self._listed: dict[str, dict[str, Any]] = {}
-        listed: dict[str, dict[str, Any]] | None = None if counts is None else {}
-        self.urls = expand_urls(urls, self.storage_options, name, listed)
-        if listed:
-            self._listed = {url: signature_of(info) for url, info in listed.items()}
+        listed: dict[str, dict[str, Any]] = {}  # what the listing said of each file
+        # A remote counts file is requested while the globs are listed
+        # (NOTE [ Counts files ]): its bytes wait in _early_counts for sample_counts().
+        self._early_counts: bytes | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix="counts-file") as pool:
+            early = None
+            if self.counts is not None and not local_url(self.counts):
+                early = pool.submit(fetch_counts, self.counts, name, self.filesystem)
+            self.urls = expand_urls(urls, self.storage_options, name, listed)
+            if early is not None:
+                self._early_counts = None if early.exception() else early.result()
+        # NOTE [ Listed signatures ] in files.py; the counts file's too.
+        self.listed = {url: signature_of(info) for url, info in listed.items()}
         self.shuffle_shards = shuffle_shards
         self.seed = seed
         self.split: Split = split
@@ -206,9 +220,11 @@ class ShardedSource(FileAccess, Stage[T]):
             recorded = {}
             if self.counts is not None:
                 url, name = self.counts, type(self).__name__
-                raw = self.read_retrying(url, lambda: fetch_counts(url, name, self.filesystem))
+                raw, self._early_counts = self._early_counts, None
+                if raw is None:
+                    raw = self.read_retrying(url, lambda: fetch_counts(url, name, self.filesystem))
                 recorded = read_counts(raw, url, name)
-            self._counts = self._count(recorded, dict(self._listed))
+            self._counts = self._count(recorded, dict(self.listed))
             logger.debug(
                 "%s: %d samples in %d files", self.describe(), sum(self._counts), len(self._counts)
             )
@@ -222,7 +238,7 @@ class ShardedSource(FileAccess, Stage[T]):
         Raises:
             StorageError: Reading a file, or writing ``url``, failed.
         """
-        signatures = dict(self._listed)
+        signatures = dict(self.listed)
         counts = self._count({}, signatures, sign_all=True)
         write_counts_file(
             os.fspath(url),

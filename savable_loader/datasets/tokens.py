@@ -57,7 +57,7 @@ from fsspec.implementations.local import LocalFileSystem
 from .._filesystems import url_to_fs
 from ..config import WorkerContext
 from ..errors import ConfigError
-from .cache import cacheable
+from .cache import cacheable, signature_of
 from .file_access import FileAccess
 from .indexed import Even, IndexedCursor, IndexedDataset
 from .retry import RetryPolicy
@@ -145,7 +145,7 @@ class TokenSource(FileAccess, IndexedDataset[np.ndarray]):
             cache_limit=cache_limit,
             prefetch=prefetch,
         )
-        files = _expand([urls] if isinstance(urls, str) else list(urls), self.locate)
+        files = _expand([urls] if isinstance(urls, str) else list(urls), self.locate, self.listed)
         layout = [_layout(url, token, self.locate) for url in files]
         self.dtype = str(dtype)
         self.windows = _Windows(files, layout, seq_len, token, self)
@@ -351,7 +351,14 @@ class _Windows:
         return state
 
 
-def _expand(urls: list[str], locate: Callable[[str], tuple[Any, str]]) -> list[str]:
+def _expand(
+    urls: list[str],
+    locate: Callable[[str], tuple[Any, str]],
+    listed: dict[str, dict[str, Any]],
+) -> list[str]:
+    """The files ``urls`` name, globs expanded in order; puts in ``listed`` the signature
+    the listing of a glob gave each remote file it matched (NOTE [ Listed signatures ] in
+    ``files.py``)."""
     if not urls:
         raise ConfigError("TokenSource needs at least one file, got an empty list")
     files: list[str] = []
@@ -360,10 +367,17 @@ def _expand(urls: list[str], locate: Callable[[str], tuple[Any, str]]) -> list[s
             raise ConfigError(f"TokenSource urls must be strings, got {type(url).__name__}")
         fs, path = locate(url)
         local = isinstance(fs, LocalFileSystem)
-        matches = sorted(fs.glob(path)) if any(c in path for c in "*?[") else [path]
+        found = fs.glob(path, detail=True) if any(c in path for c in "*?[") else {path: None}
+        matches = sorted(found)
         if not matches:
             raise ConfigError(f"TokenSource: no file matches {url!r}")
         files.extend(match if local else fs.unstrip_protocol(match) for match in matches)
+        if not local:
+            listed.update(
+                (fs.unstrip_protocol(match), signature_of(info))
+                for match, info in found.items()
+                if info is not None
+            )
     return files
 
 
