@@ -61,12 +61,14 @@ def _items(source: Any) -> list[Any]:
 
 
 def test_the_listing_s_signature_is_the_one_a_head_and_a_get_give(
-    s3: S3, proxy: RecordingProxy
+    s3: S3, proxy: RecordingProxy, tmp_path: Path
 ) -> None:
     pattern = _put_jsonl(s3)
-    source = JsonLinesSource(pattern, storage_options=_options(s3, proxy))
+    source = JsonLinesSource(pattern, storage_options=_options(s3, proxy), cache_dir=tmp_path)
     fs, _ = url_to_fs(pattern, **_options(s3, proxy))
     assert sorted(source.listed) == list(source.urls)
+    # Without a cache or a counts file nothing spends them: none is kept.
+    assert JsonLinesSource(pattern, storage_options=_options(s3, proxy)).listed == {}
     for url in source.urls:
         probed = probe(fs, url)
         assert probed is not None

@@ -11,7 +11,8 @@ On S3 a listing gives each file's size, ETag and modification time: the signatur
 the cache checks an entry against (NOTE [ File cache ] in ``cache.py``), for which it
 otherwise asks ``info()``, a HEAD request, at every open. The file sources that list
 globs (the sharded ones, ``TokenSource``) keep what their listing said of each file
-(``listed``, the counts file's signatures too) and, with ``cache_dir``, spend it so:
+(``listed``, with ``cache_dir`` or a counts file, whose signatures they are too) and,
+with ``cache_dir``, spend it so:
 
 * An open of a file whose cached entry holds the listed version reads it without a
   request, in every worker and epoch. Any other open asks the store as before: its

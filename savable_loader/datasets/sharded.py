@@ -176,8 +176,9 @@ class ShardedSource(FileAccess, Stage[T]):
             self.urls = expand_urls(urls, self.storage_options, name, listed)
             if early is not None:
                 self._early_counts = None if early.exception() else early.result()
-        # NOTE [ Listed signatures ] in files.py; the counts file's too.
-        self.listed = {url: signature_of(info) for url, info in listed.items()}
+        if counts is not None or cache_dir is not None:  # what they are spent on:
+            # the counts file's signatures, NOTE [ Listed signatures ] in files.py
+            self.listed = {url: signature_of(info) for url, info in listed.items()}
         self.shuffle_shards = shuffle_shards
         self.seed = seed
         self.split: Split = split

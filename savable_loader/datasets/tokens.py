@@ -145,7 +145,8 @@ class TokenSource(FileAccess, IndexedDataset[np.ndarray]):
             cache_limit=cache_limit,
             prefetch=prefetch,
         )
-        files = _expand([urls] if isinstance(urls, str) else list(urls), self.locate, self.listed)
+        listed = self.listed if cache_dir is not None else {}  # only a cache spends them
+        files = _expand([urls] if isinstance(urls, str) else list(urls), self.locate, listed)
         layout = [_layout(url, token, self.locate) for url in files]
         self.dtype = str(dtype)
         self.windows = _Windows(files, layout, seq_len, token, self)
