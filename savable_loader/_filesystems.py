@@ -25,6 +25,7 @@ its extra arguments as ``kwargs``: they work as before, only slower to start.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
@@ -32,7 +33,7 @@ from typing import Any
 
 import fsspec
 
-__all__ = ["url_to_fs"]
+__all__ = ["start_client", "url_to_fs"]
 
 #: This process's botocore loaders by data path (NOTE [ Shared service models ]); a forked
 #: child inherits them.
@@ -75,3 +76,14 @@ def _share_models(fs: Any) -> None:
         if fs.session is None:
             fs.session = session
         _SEEN.add(fs.session)
+
+
+def start_client(fs: Any) -> None:
+    """Builds an s3fs filesystem's client now, before two threads send its first requests
+    at once: s3fs releases up to 2024.6 (the lowest this project supports) build it without
+    a lock, so both would build one and one would never be closed. Other filesystems are
+    left alone. An error is left to the request that follows, which raises it."""
+    connect = getattr(fs, "connect", None)
+    if callable(connect) and callable(getattr(fs, "_call_s3", None)):
+        with contextlib.suppress(Exception):
+            connect()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 from s3_server import S3, S3FS_WARNINGS
 
 from savable_loader import SavableDataLoader
-from savable_loader._filesystems import url_to_fs
+from savable_loader._filesystems import start_client, url_to_fs
 from savable_loader.datasets import IndexedDataset, JsonLinesSource
 
 pytestmark = [S3FS_WARNINGS]
@@ -123,3 +124,27 @@ def test_workers_read_s3_through_the_shared_models(s3: S3) -> None:
     with SavableDataLoader(source, batch_size=5, num_workers=2, collate_fn=list) as loader:
         ids = sorted(item["id"] for batch in loader for item in batch)
     assert ids == list(range(40))
+
+
+def test_start_client_builds_one_client_before_concurrent_first_requests(s3: S3) -> None:
+    fs, _ = url_to_fs(s3.url("a"), **_fresh(s3))
+    assert fs._s3 is None
+    start_client(fs)
+    client = fs._s3
+    assert client is not None
+    start_client(fs)  # once built, kept
+    s3.put("a", b"x")
+    with ThreadPoolExecutor(4) as pool:  # first requests from several threads at once
+        assert list(pool.map(fs.cat_file, [s3.url("a")] * 4)) == [b"x"] * 4
+    assert fs._s3 is client
+
+
+def test_start_client_leaves_other_filesystems_and_errors_alone(s3: S3, tmp_path: Path) -> None:
+    local = fsspec.filesystem("file")
+    start_client(local)  # nothing to build
+    assert local.ls(str(tmp_path)) == []
+    options = {**_fresh(s3), "client_kwargs": {"endpoint_url": "not a url"}}
+    broken, _ = url_to_fs(s3.url("a"), **options)
+    start_client(broken)  # the client cannot be built: the first request says why
+    with pytest.raises(ValueError, match="not a url"):
+        broken.cat_file(s3.url("a"))

@@ -46,6 +46,7 @@ from typing import IO, Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 
+from .._filesystems import start_client
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import derive_seed
@@ -172,6 +173,7 @@ class ShardedSource(FileAccess, Stage[T]):
         with ThreadPoolExecutor(1, thread_name_prefix="counts-file") as pool:
             early = None
             if self.counts is not None and not local_url(self.counts):
+                start_client(self.filesystem(self.counts))  # the listing's too, mostly
                 early = pool.submit(fetch_counts, self.counts, name, self.filesystem)
             self.urls = expand_urls(urls, self.storage_options, name, listed)
             if early is not None:
