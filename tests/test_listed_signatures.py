@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from s3_server import REGION, S3, S3FS_WARNINGS, RecordingProxy
+from test_split_samples import _write_tar
 
 from savable_loader import SavableDataLoader, WorkerContext
 from savable_loader._filesystems import url_to_fs
@@ -188,25 +189,13 @@ def test_a_prefetch_with_a_stale_listed_signature_leaves_no_entry_of_it(
     assert is_valid(tmp_path, url, signature_of(fs.info(url)))
 
 
-def _tar(samples: int, file: int) -> bytes:
-    import io
-    import tarfile
-
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for sample in range(samples):
-            data = f"{file}:{sample}".encode()
-            info = tarfile.TarInfo(f"{file:02d}{sample:03d}.txt")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
 def test_workers_open_cached_shards_and_token_files_without_a_request(
     s3: S3, proxy: RecordingProxy, tmp_path: Path
 ) -> None:
+    _write_tar(tmp_path)
+    for path in sorted(tmp_path.glob("*.tar")):
+        s3.put(f"tar/{path.name}", path.read_bytes())
     for file in range(FILES):
-        s3.put(f"tar/shard-{file}.tar", _tar(6, file))
         tokens = np.arange(file * 1000, file * 1000 + 512, dtype=np.uint16)
         s3.put(f"tokens/part-{file}.bin", tokens.tobytes())
     options = _options(s3, proxy)
@@ -227,7 +216,7 @@ def test_workers_open_cached_shards_and_token_files_without_a_request(
         loader = SavableDataLoader(source, batch_size=4, num_workers=2, collate_fn=list)
         with loader:
             return [
-                [bytes(item["txt"]) if isinstance(item, dict) else item.tolist() for item in b]
+                [bytes(item["id"]) if isinstance(item, dict) else item.tolist() for item in b]
                 for b in loader
             ]
 

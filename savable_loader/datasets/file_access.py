@@ -225,8 +225,8 @@ class FileAccess:
         background (NOTE [ Prefetching files ] in ``cache.py``); nothing without one."""
         cache = self.file_cache()
         if cache is not None and urls:
-            listed = {url: self._listed_signature(url) for url in urls}
-            cache.want(urls, self.filesystem, {u: s for u, s in listed.items() if s is not None})
+            known = {url: s for url in urls if (s := self._listed_signature(url)) is not None}
+            cache.want(urls, self.filesystem, known)
 
     def _listed_signature(self, url: str) -> dict[str, Any] | None:
         """``url``'s signature from the source's listing, where the cache may take it
