@@ -78,8 +78,15 @@ import fsspec
 from fsspec.compression import compr
 from fsspec.core import get_compression
 
-from ..errors import StorageError
-from .cache_entries import cacheable, commit, entry_path, is_valid, signature_of, temp_path
+from .cache_entries import (
+    cacheable,
+    commit,
+    entry_path,
+    final_error,
+    is_valid,
+    signature_of,
+    temp_path,
+)
 from .cache_evict import evict, over, record
 from .cache_probe import asks, probe, range_reader, write_rest
 from .cache_stream import STREAM_MIN_BYTES, Download, GrowingFile, fetch_into
@@ -194,9 +201,7 @@ class FileCache:
                     logger.debug("%s: changed since it was listed", url)
                     signature = signature_of(fs.info(url))
         finally:
-            waited = 0.0 if ahead else time.perf_counter() - started
-            with self._mutex:
-                self.stats.wait_seconds += waited
+            self._count(wait_seconds=0.0 if ahead else time.perf_counter() - started)
         with self._mutex:
             pinned = self._pinned.pop(url, None)
             self._wanted.discard(url)
@@ -280,7 +285,7 @@ class FileCache:
         fd = os.open(self.path(url, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            if self._valid(url, signature):
+            if is_valid(self.directory, url, signature):
                 os.utime(self.path(url, ".data"))
                 with self._mutex:
                     self._held.add(fd)
@@ -288,7 +293,7 @@ class FileCache:
             downloaded, download = False, None
             lock: int | None = self._lock(self.path(url, ".download"))
             try:
-                if not self._valid(url, signature):  # another may have downloaded it
+                if not is_valid(self.directory, url, signature):  # another may have downloaded it
                     downloaded = True
                     if stream and signature["size"] >= STREAM_MIN_BYTES:
                         download = Download(temp_path(self.directory, url), signature["size"])
@@ -304,7 +309,7 @@ class FileCache:
             finally:
                 if lock is not None:
                     self._drop(lock)
-            if download is None and not self._valid(url, signature):
+            if download is None and not is_valid(self.directory, url, signature):
                 raise _Changed(f"{url} changed while it was being cached")
         except BaseException:
             os.close(fd)
@@ -347,9 +352,7 @@ class FileCache:
             self._commit(url, download.temp, signature, counted=True)
         except BaseException as exc:
             download.temp.unlink(missing_ok=True)
-            if isinstance(exc, StorageError):  # the attempts are spent: not again
-                exc = StorageError(str(exc))
-            download.end(exc)
+            download.end(final_error(self.directory, url, exc))
         else:
             download.end()
         finally:
@@ -358,9 +361,6 @@ class FileCache:
     def _waited(self, seconds: float) -> None:
         with self._mutex:
             self.stats.wait_seconds += seconds
-
-    def _valid(self, url: str, signature: dict[str, Any]) -> bool:
-        return is_valid(self.directory, url, signature)
 
     def _download(
         self,
@@ -409,7 +409,7 @@ class FileCache:
     def _count_bytes(self, size: int) -> None:
         self._count(bytes_downloaded=size)
 
-    def _count(self, **added: int) -> None:
+    def _count(self, **added: float) -> None:
         with self._mutex:
             for name, value in added.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)

@@ -1,8 +1,15 @@
 """A cache entry on disk: which URLs have one, its files' names, its signature and validity,
-and its atomic commit (NOTE [ File cache ] in ``cache.py``: "An entry", "Writes are atomic")."""
+and its atomic commit (NOTE [ File cache ] in ``cache.py``: "An entry", "Writes are atomic").
+
+A damaged sidecar (not JSON, not an object) makes its entry invalid, so the file is
+downloaded again. An ``OSError`` of the folder itself, not of the remote file (a full or
+read-only disk, a folder where a file should be), is a StorageError naming the folder
+(:func:`folder_error`): no retry mends it and the store is not to blame.
+"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -11,11 +18,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..errors import StorageError
+from ..storage import describe_error
 from .cache_stream import Changed
 
-__all__ = ["cacheable", "commit", "entry_path", "is_valid", "signature_of", "temp_path"]
+__all__ = [
+    "cacheable",
+    "commit",
+    "entry_path",
+    "final_error",
+    "folder_error",
+    "in_folder",
+    "is_valid",
+    "signature_of",
+    "temp_path",
+]
 
 _LOCAL = ("file", "local")
+#: Errors only a local disk reports: full, over its quota, read-only.
+_LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def cacheable(url: str) -> bool:
@@ -48,6 +69,41 @@ def entry_path(directory: Path, url: str, suffix: str) -> Path:
     return directory / f"{key}{suffix}"
 
 
+def in_folder(directory: Path, exc: BaseException) -> bool:
+    """Whether ``exc`` is an ``OSError`` of the cache folder ``directory``, not of the
+    remote file: about a file in it (the folder included), or a full or read-only disk
+    (which a write reports without a file name)."""
+    if not isinstance(exc, OSError):
+        return False
+    if exc.errno in _LOCAL_ERRNOS:
+        return True
+    named = [name for name in (exc.filename, exc.filename2) if isinstance(name, str | Path)]
+    folder = os.path.abspath(directory)
+    return any(os.path.commonpath([folder, os.path.abspath(name)]) == folder for name in named)
+
+
+def folder_error(directory: Path, exc: OSError, url: str | None = None) -> StorageError:
+    """The StorageError for ``exc``, an error of the cache folder (:func:`in_folder`): it
+    names the folder and its file, not the store, and is never retried."""
+    what = "" if url is None else f" for {url}"
+    names = [str(name) for name in (exc.filename, exc.filename2) if name is not None]
+    where = " -> ".join(names) or directory
+    return StorageError(
+        f"The cache folder {directory} cannot be used{what}: {where}: {describe_error(exc)}."
+    )
+
+
+def final_error(directory: Path, url: str, exc: BaseException) -> BaseException:
+    """What the reader of a streamed download of ``url`` that failed with ``exc`` raises:
+    never retried again (a StorageError's attempts are spent; an error of the cache
+    folder, :func:`folder_error`, is no fault of the store), else ``exc`` itself."""
+    if isinstance(exc, StorageError):
+        return StorageError(str(exc))
+    if isinstance(exc, OSError) and in_folder(directory, exc):
+        return folder_error(directory, exc, url)
+    return exc
+
+
 def temp_path(directory: Path, url: str) -> Path:
     """A new temp file's path for ``url``'s entry, in the cache's folder."""
     stem = entry_path(directory, url, "").name
@@ -55,14 +111,17 @@ def temp_path(directory: Path, url: str) -> Path:
 
 
 def is_valid(directory: Path, url: str, signature: dict[str, Any]) -> bool:
-    """Whether ``url``'s entry holds the file that ``signature`` describes."""
+    """Whether ``url``'s entry holds the file that ``signature`` describes. A damaged
+    sidecar (not JSON, not an object, nested too deep to parse) makes the entry invalid,
+    so the file is downloaded again."""
     try:
         recorded = json.loads(entry_path(directory, url, ".json").read_text())
         size = entry_path(directory, url, ".data").stat().st_size
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return bool(
-        recorded.get("url") == url
+        isinstance(recorded, dict)
+        and recorded.get("url") == url
         and {k: recorded.get(k) for k in signature} == signature
         and size == signature["size"]
     )

@@ -21,10 +21,12 @@ its first async call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import fsspec
@@ -34,7 +36,7 @@ from fsspec.core import get_compression
 from .._filesystems import url_to_fs
 from ..errors import ConfigError
 from .cache import DEFAULT_CACHE_LIMIT, FileCache, cacheable
-from .cache_entries import is_valid
+from .cache_entries import folder_error, in_folder, is_valid
 from .cache_probe import asks
 from .counted_reads import CountedReads
 from .files import storage_errors
@@ -151,8 +153,11 @@ class FileAccess:
         cache = self.file_cache()
         if cache is not None:
             fs = self.filesystem(url)
-            known = known or self._listed_hit(cache, url)
-            return cache.open(url, fs, ahead=ahead, known=known, stream=stream, retry=self.retry)
+            with _cache_folder_errors(cache.directory, url):
+                known = known or self._listed_hit(cache, url)
+                return cache.open(
+                    url, fs, ahead=ahead, known=known, stream=stream, retry=self.retry
+                )
         return self.counted_reads().open(self.filesystem(url), url, ahead=ahead)
 
     def read_whole(
@@ -189,7 +194,9 @@ class FileAccess:
         if self.cache_dir is None:
             return None
         if self._cache is None or self._cache[0] != os.getpid():
-            self._cache = (os.getpid(), FileCache(self.cache_dir, self.cache_limit, self.prefetch))
+            with _cache_folder_errors(Path(self.cache_dir)):
+                cache = FileCache(self.cache_dir, self.cache_limit, self.prefetch)
+            self._cache = (os.getpid(), cache)
         return self._cache[1]
 
     def counted_reads(self) -> CountedReads:
@@ -258,6 +265,19 @@ class FileAccess:
         state["_cache"] = None  # threads and locks are per process
         state["_counted"] = {}
         return state
+
+
+@contextlib.contextmanager
+def _cache_folder_errors(directory: Path, url: str | None = None) -> Iterator[None]:
+    """Turns an ``OSError`` of the cache folder (not of the remote file) into a
+    StorageError that names the folder, never retried: a full disk or a folder that
+    cannot be written is not the store's fault (``in_folder`` in ``cache_entries.py``)."""
+    try:
+        yield
+    except OSError as exc:
+        if not in_folder(directory, exc):
+            raise
+        raise folder_error(directory, exc, url) from exc
 
 
 def storage_stats(root: Stage[Any]) -> dict[str, Any] | None:

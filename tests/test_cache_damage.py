@@ -1,0 +1,157 @@
+"""A damaged or unusable cache folder: a damaged entry is downloaded again, and a folder
+that cannot hold files is a StorageError naming it, never blamed on the store."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+
+from savable_loader import StorageError, WorkerContext
+from savable_loader.datasets import JsonLinesSource, TableSource, TokenSource
+from savable_loader.datasets import cache as cache_module
+from savable_loader.datasets.cache import FileCache
+from savable_loader.datasets.cache_entries import in_folder
+
+ROWS = [{"id": index} for index in range(5)]
+
+
+@pytest.fixture
+def remote() -> Iterator[str]:
+    """A ``memory://`` folder with one JSON-lines file of :data:`ROWS`."""
+    fs = fsspec.filesystem("memory")
+    root = f"/cache-damage-{uuid.uuid4().hex[:8]}"
+    fs.pipe_file(
+        f"{root}/part-0.jsonl", "".join(f'{{"id": {row["id"]}}}\n' for row in ROWS).encode()
+    )
+    yield f"memory://{root}"
+    fs.rm(root, recursive=True)
+
+
+def _read(source: Any) -> list[Any]:
+    cursor = source.cursor(WorkerContext(0, 1, 0, 0, 0, None))
+    try:
+        return list(cursor)
+    finally:
+        cursor.close()
+
+
+def _only(folder: Path, suffix: str) -> Path:
+    (path,) = [path for path in folder.iterdir() if path.name.endswith(suffix)]
+    return path
+
+
+@pytest.mark.parametrize(
+    "sidecar",
+    [b"[]", b"null", b'"text"', b"7", b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe\x00", b""],
+    ids=["list", "null", "string", "number", "nested-too-deep", "not-utf8", "empty"],
+)
+def test_an_entry_with_a_damaged_sidecar_is_downloaded_again(
+    remote: str, tmp_path: Path, sidecar: bytes
+) -> None:
+    fs = fsspec.filesystem("memory")
+    url = f"{remote}/part-0.jsonl"
+    first = FileCache(tmp_path, 10**6, 0)
+    with first.open(url, fs) as file:
+        expected = file.read()
+    _only(tmp_path, ".json").write_bytes(sidecar)
+    again = FileCache(tmp_path, 10**6, 0)
+    with again.open(url, fs) as file:
+        assert file.read() == expected
+    assert (again.stats.misses, again.stats.bytes_downloaded) == (1, len(expected))
+    third = FileCache(tmp_path, 10**6, 0)  # the download repaired the entry
+    with third.open(url, fs) as file:
+        assert file.read() == expected
+    assert (third.stats.hits, third.stats.bytes_downloaded) == (1, 0)
+
+
+def test_a_source_reads_through_a_damaged_sidecar(remote: str, tmp_path: Path) -> None:
+    source = JsonLinesSource(f"{remote}/part-*", cache_dir=tmp_path)
+    assert _read(source) == ROWS
+    _only(tmp_path, ".json").write_text('["not", "a", "sidecar"]')
+    assert _read(JsonLinesSource(f"{remote}/part-*", cache_dir=tmp_path)) == ROWS
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_a_cache_dir_that_cannot_be_a_folder_names_it(
+    remote: str, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file, not a folder")
+    cache_dir = blocker if kind == "a file" else blocker / "cache"
+    source = JsonLinesSource(f"{remote}/part-*", cache_dir=cache_dir)
+    with caplog.at_level(logging.WARNING), pytest.raises(StorageError) as raised:
+        _read(source)
+    message = str(raised.value)
+    assert f"The cache folder {cache_dir} cannot be used" in message
+    assert "memory://" not in message  # the store is not blamed
+    assert not [r for r in caplog.records if "retry" in r.getMessage()]  # not retried
+
+
+@pytest.mark.parametrize("damaged", [".data", ".usage"])
+def test_a_folder_in_place_of_a_cache_file_is_named(
+    remote: str, tmp_path: Path, damaged: str
+) -> None:
+    url = f"{remote}/part-0.jsonl"
+    assert _read(JsonLinesSource(url, cache_dir=tmp_path)) == ROWS
+    sidecar = _only(tmp_path, ".json")
+    sidecar.unlink()  # the entry is gone: the next read downloads
+    path = sidecar.with_suffix(".data") if damaged == ".data" else tmp_path / ".usage"
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(StorageError, match=r"The cache folder .* cannot be used for memory://") as e:
+        _read(JsonLinesSource(url, cache_dir=tmp_path))
+    assert str(path) in str(e.value)
+    assert "it is a folder" in str(e.value)
+
+
+def _full_disk(*args: Any, **kwargs: Any) -> Any:
+    _full_disk.calls += 1  # type: ignore[attr-defined]
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl-streamed", "tokens", "table"])
+def test_a_full_cache_disk_is_a_storage_error_naming_the_folder_at_once(
+    remote: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A write that finds the disk full raises without a file name; it is still the
+    cache's, not the store's, and no retry can mend it."""
+    fs = fsspec.filesystem("memory")
+    cache_dir = tmp_path / "cache"
+    if kind.startswith("jsonl"):
+        source: Any = JsonLinesSource(f"{remote}/part-*", cache_dir=cache_dir, split="files")
+        if kind == "jsonl-streamed":  # read as it downloads (NOTE [ Reading a download ])
+            monkeypatch.setattr(cache_module, "STREAM_MIN_BYTES", 1)
+            monkeypatch.setattr(cache_module, "fetch_into", _full_disk)
+    elif kind == "tokens":
+        fs.pipe_file(f"{remote[len('memory://') :]}/tokens.bin", bytes(64))
+        source = TokenSource(f"{remote}/tokens.bin", seq_len=4, cache_dir=cache_dir)
+    else:
+        fs.pipe_file(f"{remote[len('memory://') :]}/a.bin", b"payload")
+        table = tmp_path / "table.jsonl"
+        table.write_text('{"file": "' + remote + '/a.bin"}\n')
+        source = TableSource(table, files=["file"], cache_dir=cache_dir, threads=0)
+    _full_disk.calls = 0  # type: ignore[attr-defined]
+    monkeypatch.setattr(cache_module, "commit", _full_disk)  # the write of a whole download
+    with pytest.raises(StorageError) as raised:
+        _read(source)
+    assert f"The cache folder {cache_dir} cannot be used for memory://" in str(raised.value)
+    assert "no space left on device" in str(raised.value)
+    assert _full_disk.calls == 1  # type: ignore[attr-defined]
+
+
+def test_errors_of_the_remote_file_are_not_the_caches(tmp_path: Path) -> None:
+    assert in_folder(tmp_path, FileNotFoundError(errno.ENOENT, "gone", str(tmp_path / "x.data")))
+    assert in_folder(tmp_path, OSError(errno.ENOSPC, "full"))
+    assert not in_folder(tmp_path, FileNotFoundError(errno.ENOENT, "gone", "/bucket/x.jsonl"))
+    assert not in_folder(tmp_path, FileNotFoundError(errno.ENOENT, "gone", f"{tmp_path}-other/x"))
+    assert not in_folder(tmp_path, ValueError("not an OSError"))
+    with pytest.raises(StorageError, match=r"Cannot read memory://.*missing\.jsonl: not found"):
+        _read(JsonLinesSource(["memory:///nowhere/missing.jsonl"], cache_dir=tmp_path))
