@@ -106,7 +106,9 @@ def test_a_folder_in_place_of_a_cache_file_is_named(
     path = sidecar.with_suffix(".data") if damaged == ".data" else tmp_path / ".usage"
     path.unlink()
     path.mkdir()
-    with pytest.raises(StorageError, match=r"The cache folder .* cannot be used for memory://") as e:
+    with pytest.raises(
+        StorageError, match=r"The cache folder .* cannot be used for memory://"
+    ) as e:
         _read(JsonLinesSource(url, cache_dir=tmp_path))
     assert str(path) in str(e.value)
     assert "it is a folder" in str(e.value)
