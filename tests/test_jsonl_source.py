@@ -291,6 +291,18 @@ def test_a_malformed_line_names_the_file_and_line(tmp_path: Path) -> None:
     assert next(cursor) == {"id": 4}  # the position moved past the bad line
 
 
+def test_a_line_nested_too_deep_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "deep.jsonl"
+    path.write_bytes(b'{"id": 1}\n' + b"[" * 100_000 + b"]" * 100_000 + b'\n{"id": 3}\n')
+    cursor = JsonLinesSource(str(path)).cursor(_context())
+    assert next(cursor) == {"id": 1}
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path))}, line 2: JSON nested too deep"
+    ):
+        next(cursor)
+    assert next(cursor) == {"id": 3}
+
+
 @pytest.mark.parametrize("urls", [[], "NOWHERE/*.jsonl"])
 def test_an_empty_match_is_refused(tmp_path: Path, urls: Any) -> None:
     if isinstance(urls, str):

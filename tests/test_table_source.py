@@ -539,6 +539,7 @@ def test_a_missing_file_is_a_storage_error_naming_it_when_its_row_is_read(tmp_pa
         ("empty.jsonl", "\n\n", "no row"),
         ("bad.jsonl", '{"image": "a"}\n{"image": \n', "cannot parse"),
         ("list.jsonl", "[1, 2]\n", "not an object"),
+        ("deep.jsonl", '{"image": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "nested too deep"),
         ("short.csv", "id,image\n1\n", "line 2 .* 1 fields"),
         ("bad.parquet", "not parquet at all", "cannot parse .* as Parquet"),
         ("rows.txt", "id,image\n", "format"),

@@ -128,3 +128,5 @@ def _parse(raw: bytes, url: str, line: int) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise ConfigError(f"{url}, line {line}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise ConfigError(f"{url}, line {line}: JSON nested too deep to parse") from None

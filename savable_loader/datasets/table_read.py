@@ -200,6 +200,8 @@ def _json_lines(url: str, content: str) -> tuple[list[str], dict[str, list[Any]]
             records = [(n, json.loads(line)) for n, line in lines if line.strip()]
     except json.JSONDecodeError as error:
         raise ConfigError(f"TableSource cannot parse {url} as JSON lines: {error}") from None
+    except RecursionError:
+        raise ConfigError(f"TableSource cannot parse {url}: JSON nested too deep") from None
     names: dict[str, None] = {}
     for number, record in records:
         if not isinstance(record, dict):
