@@ -114,9 +114,15 @@ def test_a_folder_in_place_of_a_cache_file_is_named(
     assert "it is a folder" in str(e.value)
 
 
-def _full_disk(*args: Any, **kwargs: Any) -> Any:
-    _full_disk.calls += 1  # type: ignore[attr-defined]
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+class _FullDisk:
+    """Stands for a write that finds the disk full; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "jsonl-streamed", "tokens", "table"])
@@ -127,11 +133,12 @@ def test_a_full_cache_disk_is_a_storage_error_naming_the_folder_at_once(
     cache's, not the store's, and no retry can mend it."""
     fs = fsspec.filesystem("memory")
     cache_dir = tmp_path / "cache"
+    full_disk = _FullDisk()
     if kind.startswith("jsonl"):
         source: Any = JsonLinesSource(f"{remote}/part-*", cache_dir=cache_dir, split="files")
         if kind == "jsonl-streamed":  # read as it downloads (NOTE [ Reading a download ])
             monkeypatch.setattr(cache_module, "STREAM_MIN_BYTES", 1)
-            monkeypatch.setattr(cache_module, "fetch_into", _full_disk)
+            monkeypatch.setattr(cache_module, "fetch_into", full_disk)
     elif kind == "tokens":
         fs.pipe_file(f"{remote[len('memory://') :]}/tokens.bin", bytes(64))
         source = TokenSource(f"{remote}/tokens.bin", seq_len=4, cache_dir=cache_dir)
@@ -140,13 +147,12 @@ def test_a_full_cache_disk_is_a_storage_error_naming_the_folder_at_once(
         table = tmp_path / "table.jsonl"
         table.write_text('{"file": "' + remote + '/a.bin"}\n')
         source = TableSource(table, files=["file"], cache_dir=cache_dir, threads=0)
-    _full_disk.calls = 0  # type: ignore[attr-defined]
-    monkeypatch.setattr(cache_module, "commit", _full_disk)  # the write of a whole download
+    monkeypatch.setattr(cache_module, "commit", full_disk)  # the write of a whole download
     with pytest.raises(StorageError) as raised:
         _read(source)
     assert f"The cache folder {cache_dir} cannot be used for memory://" in str(raised.value)
     assert "no space left on device" in str(raised.value)
-    assert _full_disk.calls == 1  # type: ignore[attr-defined]
+    assert full_disk.calls == 1
 
 
 def test_errors_of_the_remote_file_are_not_the_caches(tmp_path: Path) -> None:
@@ -157,3 +163,21 @@ def test_errors_of_the_remote_file_are_not_the_caches(tmp_path: Path) -> None:
     assert not in_folder(tmp_path, ValueError("not an OSError"))
     with pytest.raises(StorageError, match=r"Cannot read memory://.*missing\.jsonl: not found"):
         _read(JsonLinesSource(["memory:///nowhere/missing.jsonl"], cache_dir=tmp_path))
+
+
+def test_a_streamed_file_the_full_disk_cannot_keep_is_read_whole_and_a_warning_names_it(
+    remote: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The disk fills only when the read download is to become an entry: the reader has
+    every byte already, so it reads on; the warning is what tells the user."""
+    monkeypatch.setattr(cache_module, "STREAM_MIN_BYTES", 1)  # NOTE [ Reading a download ]
+    monkeypatch.setattr(cache_module, "commit", _FullDisk())
+    source = JsonLinesSource(f"{remote}/part-*", cache_dir=tmp_path, split="files")
+    with caplog.at_level(logging.WARNING, logger="savable_loader.datasets.cache_entries"):
+        assert _read(source) == ROWS
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"The cache folder {tmp_path} cannot be used for memory://")
+    assert warning.endswith(
+        "no space left on device. The file is read from the store but not kept."
+    )
+    assert not list(tmp_path.glob("*.data"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from typing import Any
 from ..errors import StorageError
 from ..storage import describe_error
 from .cache_stream import Changed
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "cacheable",
@@ -96,11 +99,15 @@ def folder_error(directory: Path, exc: OSError, url: str | None = None) -> Stora
 def final_error(directory: Path, url: str, exc: BaseException) -> BaseException:
     """What the reader of a streamed download of ``url`` that failed with ``exc`` raises:
     never retried again (a StorageError's attempts are spent; an error of the cache
-    folder, :func:`folder_error`, is no fault of the store), else ``exc`` itself."""
+    folder, :func:`folder_error`, is no fault of the store), else ``exc`` itself. An
+    error of the folder is logged at WARNING too: a reader that read every byte before
+    the entry was to be written never sees it, and its file is not kept."""
     if isinstance(exc, StorageError):
         return StorageError(str(exc))
     if isinstance(exc, OSError) and in_folder(directory, exc):
-        return folder_error(directory, exc, url)
+        error = folder_error(directory, exc, url)
+        logger.warning("%s The file is read from the store but not kept.", error)
+        return error
     return exc
 
 
