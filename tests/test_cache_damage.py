@@ -181,3 +181,28 @@ def test_a_streamed_file_the_full_disk_cannot_keep_is_read_whole_and_a_warning_n
         "no space left on device. The file is read from the store but not kept."
     )
     assert not list(tmp_path.glob("*.data"))
+
+
+def test_an_eviction_the_folder_refuses_at_a_close_is_a_warning_naming_it(
+    remote: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader closing a file it read in full runs the eviction of a folder over its
+    limit; that eviction failing must not fail the close."""
+    fs = fsspec.filesystem("memory")
+    root = remote[len("memory://") :]
+    urls = [f"{remote}/{name}.bin" for name in ("a", "b")]
+    for url in urls:
+        fs.pipe_file(f"{root}/{url.rsplit('/', 1)[1]}", bytes(1000))
+    cache = FileCache(tmp_path, 1500, 0)
+    first, second = (cache.open(url, fs) for url in urls)  # both held: over the limit
+    assert (tmp_path / ".over").exists()
+    (tmp_path / ".evict.lock").unlink()
+    (tmp_path / ".evict.lock").mkdir()
+    with caplog.at_level(logging.WARNING, logger="savable_loader.datasets.cache_evict"):
+        assert first.read() == bytes(1000)
+        first.close()
+        second.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert warnings[0].startswith(f"The cache folder {tmp_path} cannot be used: ")
+    assert warnings[0].endswith("it is a folder. The folder may stay over its limit.")

@@ -87,7 +87,7 @@ from .cache_entries import (
     signature_of,
     temp_path,
 )
-from .cache_evict import evict, over, record
+from .cache_evict import evict, evict_after_close, over, record
 from .cache_probe import asks, probe, range_reader, write_rest
 from .cache_stream import STREAM_MIN_BYTES, Download, GrowingFile, fetch_into
 from .cache_stream import Changed as _Changed
@@ -251,7 +251,7 @@ class FileCache:
     def _release(self, fd: int) -> None:
         self._drop(fd)
         if over(self.directory):
-            self.evict()
+            evict_after_close(self.directory, self.limit)
 
     def _open_local(self, url: str, download: Download | None = None) -> tuple[IO[bytes], ...]:
         """The entry's file (or the one ``download`` writes), and the decompressed view of

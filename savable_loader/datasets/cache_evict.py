@@ -11,7 +11,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["STALE_TEMP_SECONDS", "evict", "evict_locked", "flocked", "over", "record"]
+from .cache_entries import folder_error
+
+__all__ = [
+    "STALE_TEMP_SECONDS",
+    "evict",
+    "evict_after_close",
+    "evict_locked",
+    "flocked",
+    "over",
+    "record",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +64,16 @@ def evict(directory: Path, limit: int) -> None:
     take at most ``limit`` bytes."""
     with flocked(directory / ".evict.lock", fcntl.LOCK_EX):
         evict_locked(directory, limit)
+
+
+def evict_after_close(directory: Path, limit: int) -> None:
+    """:func:`evict`, as a reader's close runs it: an error of the folder is logged at
+    WARNING, naming it, instead of failing the close of a file read in full (a download
+    and an explicit eviction raise it; ``folder_error`` in ``cache_entries.py``)."""
+    try:
+        evict(directory, limit)
+    except OSError as exc:
+        logger.warning("%s The folder may stay over its limit.", folder_error(directory, exc))
 
 
 def evict_locked(directory: Path, limit: int) -> None:
