@@ -42,11 +42,6 @@ def check_arguments(
         ConfigError: An argument is invalid or its position cannot be saved; the
             message says why and what to pass instead.
     """
-    if not in_order:
-        raise ConfigError(
-            "in_order=False delivers batches in the order workers finish them, which a "
-            "restore cannot reproduce; use in_order=True"
-        )
     if isinstance(num_workers, bool):
         raise ConfigError(
             f"num_workers must be a non-negative int, not a bool ({num_workers}): the saved "
@@ -63,6 +58,12 @@ def check_arguments(
         raise ConfigError(
             f"num_workers={num_workers} is more than the {MAX_WORKERS} workers a saved state "
             "holds; use fewer workers per rank"
+        )
+    if not in_order and num_workers > 0:
+        # Without workers torch delivers in order whatever in_order says; so does this loader.
+        raise ConfigError(
+            "in_order=False delivers batches in the order workers finish them, which a "
+            "restore cannot reproduce; use in_order=True"
         )
     if timeout < 0:
         raise ConfigError("timeout option should be non-negative")

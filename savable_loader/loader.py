@@ -74,7 +74,8 @@ class SavableDataLoader(DataLoader[Any]):
         persistent_workers: As in ``DataLoader``: False (the default) starts the workers
             anew every epoch (NOTE [ Workers per epoch ]).
         pin_memory_device: As in ``DataLoader``.
-        in_order: Must be True: out-of-order delivery cannot be resumed exactly.
+        in_order: Must be True with workers: out-of-order delivery cannot be resumed
+            exactly. Without workers, as in torch, delivery is in order either way.
         seed: Drives the shuffle order and the workers' seeds (with rank and worker id)
             when no ``generator`` is given.
         worker_config: Rank, world size, command timeout, checkpoint policy.
@@ -158,6 +159,8 @@ class SavableDataLoader(DataLoader[Any]):
             **_torch_compat.in_order_argument(),
         )
         shown = shown_arguments(self._planner, sampler, batch_sampler, batch_size, drop_last)
+        if hasattr(self, "in_order"):  # torch 2.6 on
+            shown["in_order"] = in_order
         for name, value in shown.items():  # NOTE [ What the loader shows of its arguments ]
             object.__setattr__(self, name, value)
         self._own_generator = self.generator

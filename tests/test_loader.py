@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import numpy as np
@@ -21,7 +22,7 @@ from savable_loader import (
     load_state,
     save_state,
 )
-from savable_loader.testing import digest, roundtrip
+from savable_loader.testing import assert_resumes_exactly, digest, roundtrip
 
 
 def _stream(loader, epochs=2):
@@ -229,7 +230,7 @@ def test_restoring_never_changes_the_callers_state():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"in_order": False}, "in_order"),
+        ({"in_order": False, "num_workers": 2}, "in_order"),
         ({"batch_size": None, "drop_last": True}, "drop_last"),
         ({"prefetch_factor": 2}, "prefetch_factor"),
         ({"batch_size": 0}, "batch_size"),
@@ -239,6 +240,18 @@ def test_restoring_never_changes_the_callers_state():
 def test_arguments_that_cannot_be_honoured_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         SavableDataLoader(Squares(4), **kwargs)
+
+
+def test_in_order_false_without_workers_is_torchs_stream_and_resumes_exactly():
+    """Without workers torch delivers in order whatever ``in_order`` says; so do we."""
+    takes = "in_order" in inspect.signature(DataLoader.__init__).parameters  # torch 2.6 on
+    torchs = DataLoader(Squares(9), batch_size=2, **({"in_order": False} if takes else {}))
+    ours = SavableDataLoader(Squares(9), batch_size=2, in_order=False)
+    assert [b["index"].tolist() for b in ours] == [b["index"].tolist() for b in torchs]
+    assert getattr(ours, "in_order", False) is getattr(torchs, "in_order", False)
+    assert_resumes_exactly(
+        lambda: SavableDataLoader(Squares(9), batch_size=2, shuffle=True, in_order=False)
+    )
 
 
 def test_shuffle_with_an_iterable_dataset_is_refused_as_torch_refuses_it():
