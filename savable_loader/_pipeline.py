@@ -42,25 +42,35 @@ class Pipeline:
         planner: Draws each epoch's base seed and order in the main process; None when
             the loader draws nothing there (no ``sampler``, ``batch_sampler`` or
             ``generator``).
+        dataset: The loader's ``dataset`` argument.
     """
 
     source: Stage[Any]
     root: Batch
     planner: EpochPlanner | None
+    dataset: Any
 
     def batches(self, contexts: list[WorkerContext], *, drop_last: bool) -> int:
         """Batches a rank yields per epoch over its workers' ``contexts``, for map-style
-        datasets (as ``len()`` of torch's ``DataLoader``).
+        datasets (as ``len()`` of torch's ``DataLoader``). For an iterable dataset with a
+        ``__len__``, torch's figure from that length: the batches of ``len(dataset)``
+        items, which the data may not keep to, as with torch.
 
         Raises:
-            TypeError: The pipeline is iterable: its epoch ends when it does.
+            TypeError: The pipeline is iterable and the dataset has no length: its epoch
+                ends when it does.
         """
         planner = self.planner
         if planner is not None and planner.index_sampler is not None:
             return len(planner.index_sampler)
-        if not isinstance(self.source, IndexedDataset):
+        if isinstance(self.source, IndexedDataset):
+            return self.source.rank_batches(contexts, drop_last=drop_last)
+        if not hasattr(type(self.dataset), "__len__"):
             raise TypeError(f"{self.source.describe()} has no len(); the epoch ends when it does")
-        return self.source.rank_batches(contexts, drop_last=drop_last)
+        items, size = len(self.dataset), self.root.batch_size
+        if size is None:
+            return items
+        return items // size if drop_last else -(-items // size)
 
     @property
     def sampled(self) -> bool:
@@ -124,7 +134,7 @@ def build_pipeline(
             planner = EpochPlanner(
                 None, generator, batched=False, draws_every_epoch=draws_every_epoch
             )
-        return Pipeline(source, root, planner)
+        return Pipeline(source, root, planner, dataset)
     batched = probe.batch_sampler is not None
     index_sampler = probe.batch_sampler if batched else probe.sampler
     planner = EpochPlanner(
@@ -134,7 +144,7 @@ def build_pipeline(
         dataset, order=planner.order, batched=batched, sampler=_describe(index_sampler)
     )
     collate = collate_fn or (default_collate if batched else default_convert)
-    return Pipeline(sampled, Batch(sampled, batch_size=None, collate_fn=collate), planner)
+    return Pipeline(sampled, Batch(sampled, batch_size=None, collate_fn=collate), planner, dataset)
 
 
 def _describe(index_sampler: Any) -> QualName:

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Sampler
 
+from . import _torch_compat
+
 if TYPE_CHECKING:
     from ._sampling import EpochPlanner
 
@@ -96,18 +98,23 @@ def shown_arguments(
     batch_sampler: Any,
     batch_size: int | None,
     drop_last: bool,
+    in_order: bool,
 ) -> dict[str, Any]:
     """The attributes the loader sets after ``DataLoader.__init__``, by name (NOTE [ What
     the loader shows of its arguments ]).
 
     Args:
         planner: The loader's epoch planner (``_sampling.py``), or None.
-        sampler: The loader's ``sampler=`` argument; ``batch_sampler``, ``batch_size`` and
-            ``drop_last`` likewise.
+        sampler: The loader's ``sampler=`` argument; ``batch_sampler``, ``batch_size``,
+            ``drop_last`` and ``in_order`` likewise (``in_order`` shown only where torch
+            has the attribute, 2.6 on: the loader passes True to torch).
     """
     target = sampler if sampler is not None else None if planner is None else planner.sampler
-    return {
+    shown = {
         "sampler": SamplerView(target),
         "batch_size": None if batch_sampler is not None else batch_size,
         "drop_last": drop_last,
     }
+    if _torch_compat.in_order_argument():
+        shown["in_order"] = in_order
+    return shown

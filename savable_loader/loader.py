@@ -74,8 +74,7 @@ class SavableDataLoader(DataLoader[Any]):
         persistent_workers: As in ``DataLoader``: False (the default) starts the workers
             anew every epoch (NOTE [ Workers per epoch ]).
         pin_memory_device: As in ``DataLoader``.
-        in_order: Must be True with workers: out-of-order delivery cannot be resumed
-            exactly. Without workers, as in torch, delivery is in order either way.
+        in_order: Must be True with workers: out-of-order delivery cannot be resumed.
         seed: Drives the shuffle order and the workers' seeds (with rank and worker id)
             when no ``generator`` is given.
         worker_config: Rank, world size, command timeout, checkpoint policy.
@@ -158,10 +157,9 @@ class SavableDataLoader(DataLoader[Any]):
             pin_memory_device=pin_memory_device,
             **_torch_compat.in_order_argument(),
         )
-        shown = shown_arguments(self._planner, sampler, batch_sampler, batch_size, drop_last)
-        if hasattr(self, "in_order"):  # torch 2.6 on
-            shown["in_order"] = in_order
-        for name, value in shown.items():  # NOTE [ What the loader shows of its arguments ]
+        for name, value in shown_arguments(  # NOTE [ What the loader shows of its arguments ]
+            self._planner, sampler, batch_sampler, batch_size, drop_last, in_order
+        ).items():
             object.__setattr__(self, name, value)
         self._own_generator = self.generator
         #: What a state is checked against and resharded for (``_compat.py``).
@@ -182,10 +180,8 @@ class SavableDataLoader(DataLoader[Any]):
     def __iter__(self) -> LoaderIterator:  # type: ignore[override]
         """Returns an iterator over the stream (NOTE [ Iterators continue the stream ])."""
         self._check_usable()
-        new_epoch = False
-        if self._book.all_ended():
+        if new_epoch := self._book.all_ended():
             self._book.start_epoch()
-            new_epoch = True
             if self._stream is not None:
                 try:
                     self._draw_epoch()
@@ -264,7 +260,7 @@ class SavableDataLoader(DataLoader[Any]):
         return self._last_worker
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch, for map-style datasets (as with torch)."""
+        """Batches this rank yields per epoch, as with torch (``Pipeline.batches``)."""
         contexts = [self._spec.context(w) for w in range(max(self.num_workers, 1))]
         return self._pipeline.batches(contexts, drop_last=self.drop_last)
 

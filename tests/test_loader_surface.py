@@ -56,6 +56,19 @@ class Stream(IterableDataset[int]):
         return iter(range(4))
 
 
+class SizedStream(IterableDataset[int]):
+    """An iterable dataset that reports a length (``n``) it may not keep to."""
+
+    def __init__(self, n: int, length: int) -> None:
+        self.n, self.length = n, length
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.length
+
+
 class EpochBuckets(Sampler[list[int]]):
     """A user's batch sampler with ``set_epoch`` and no ``.sampler``: batches of varying
     length in an order drawn from (seed, epoch)."""
@@ -199,6 +212,26 @@ def test_without_a_sampler_the_view_is_torchs_placeholder() -> None:
                 len(loader.sampler)
             assert next(iter(loader.sampler)) is None
         assert _plain(ours) == _plain(torchs)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "drop_last"), [(None, False), (1, False), (3, False), (3, True), (12, False)]
+)
+def test_len_of_an_iterable_dataset_with_a_length_is_torchs(batch_size, drop_last) -> None:
+    """Trainers size an epoch with ``len(loader)`` (Lightning, Hugging Face's Trainer): for
+    an iterable dataset that has ``__len__`` torch answers from it, even where the data
+    does not keep to it (here 10 items reported, 7 yielded); one without stays a
+    TypeError."""
+    options = {"batch_size": batch_size, "drop_last": drop_last}
+    torchs = DataLoader(SizedStream(7, 10), **options)
+    with SavableDataLoader(SizedStream(7, 10), **options) as ours:
+        assert len(ours) == len(torchs)
+        assert [torch.as_tensor(b).tolist() for b in ours] == [
+            torch.as_tensor(b).tolist() for b in torchs
+        ]  # not cut to len()
+    for loader in (DataLoader(Stream(), **options), SavableDataLoader(Stream(), **options)):
+        with pytest.raises(TypeError):
+            len(loader)
 
 
 def test_the_view_copies_and_pickles() -> None:

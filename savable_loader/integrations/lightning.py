@@ -40,7 +40,9 @@ shards by rank itself, with ``use_distributed_sampler`` True or False.
 
 A loader without a length (an ``IterableDataset`` that does not know its size) is read
 one batch ahead by Lightning's fetcher, so a checkpoint's state stands one batch past the
-last trained batch and a resume skips that batch: give the dataset a ``__len__``.
+last trained batch and a resume skips that batch: give the dataset a ``__len__``
+(``len(loader)`` is then torch's figure from it; see the migration guide for data that
+yields more batches than that).
 """
 
 from __future__ import annotations
