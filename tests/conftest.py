@@ -161,15 +161,51 @@ _IMPORTS_HEAVY_MODULES = (
 _S3_FIXTURES = frozenset({"s3", "endpoint_url"})
 
 
+# NOTE [ Longest files first ]
+# The suite runs in two pytest-xdist processes that take whole files (NOTE [ Two test
+# processes ] in noxfile.py), each process asking for the next file in collection order
+# when it is done. A long file taken last keeps one process busy while the other waits, so
+# within each group above the files that took longest (20 s or more of a 13-minute run)
+# come first, longest first.
+_LONGEST_MODULES = (
+    "test_resume.py",
+    "test_lightning.py",
+    "test_small_states.py",
+    "test_examples.py",
+    "test_hf_trainer.py",
+    "test_conformance.py",
+    "test_soak.py",
+    "test_accelerate.py",
+    "test_stateful_adapters.py",
+    "test_elastic.py",
+    "test_faults.py",
+    "test_storage_faults.py",
+    "test_cursor_resume.py",
+    "test_worker_semantics.py",
+    "test_script_names.py",
+    "test_docs.py",
+    "test_cli.py",
+    "test_ddp_job.py",
+    "test_limit_repeat.py",
+)
+
+
 def _imports_heavy_modules(item: pytest.Item) -> bool:
     return item.path.name in _IMPORTS_HEAVY_MODULES or bool(
         _S3_FIXTURES.intersection(getattr(item, "fixturenames", ()))
     )
 
 
+def _order(item: pytest.Item) -> tuple[bool, int]:
+    name = item.path.name
+    longest = _LONGEST_MODULES.index(name) if name in _LONGEST_MODULES else len(_LONGEST_MODULES)
+    return _imports_heavy_modules(item), longest
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Runs the tests that import heavy modules last (NOTE [ Heavy imports last ])."""
-    items[:] = sorted(items, key=_imports_heavy_modules)
+    """Runs the tests that import heavy modules last (NOTE [ Heavy imports last ]), the
+    longest files first within each group (NOTE [ Longest files first ])."""
+    items[:] = sorted(items, key=_order)
 
 
 # NOTE [ S3 fixtures ]
