@@ -55,10 +55,13 @@ LINT_PATHS = ("savable_loader", "tests", "benchmarks", "examples", "noxfile.py")
 # single pytest process kept 1.47 of this machine's 2 cores busy (20 min 39 s). Two
 # pytest-xdist processes, each taking whole files (module fixtures such as the S3 server
 # and the trainer tests' shared reference runs stay in one process), kept 1.82 busy and
-# took 12 min 22 s for the same 1,829 tests. A test that checks something machine-wide
+# took 12 min 22 s for the same 1,829 tests. The files go out in collection order
+# (``--no-loadscope-reorder``; by default pytest-xdist sends the files with the most tests
+# first, which left the trainer tests, few and long, for the end: NOTE [ Longest files
+# first ] in tests/conftest.py). A test that checks something machine-wide
 # (tests/test_hygiene.py: /dev/shm) must tell its own entries from the other process's.
 # ``-n 0`` in the session's arguments runs the tests in one process again.
-PYTEST_PROCESSES = ("-n", "2", "--dist", "loadfile")
+PYTEST_PROCESSES = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")
 
 
 def install_project(session: nox.Session, *extras: str) -> None:

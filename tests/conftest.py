@@ -162,9 +162,10 @@ _S3_FIXTURES = frozenset({"s3", "endpoint_url"})
 
 
 # NOTE [ Longest files first ]
-# The suite runs in two pytest-xdist processes that take whole files (NOTE [ Two test
-# processes ] in noxfile.py), each process asking for the next file in collection order
-# when it is done. A long file taken last keeps one process busy while the other waits, so
+# The suite runs in two pytest-xdist processes that take whole files in collection order
+# (NOTE [ Two test processes ] in noxfile.py), each process asking for the next file when
+# it is done. A long file taken last keeps one process busy while the other waits: at the
+# end of a run, the trainer tests (two to four tests, 50 to 100 s a file) ran alone. So
 # within each group above the files that took longest (20 s or more of a 13-minute run)
 # come first, longest first.
 _LONGEST_MODULES = (
