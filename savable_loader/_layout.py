@@ -7,6 +7,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from torch.utils.data import default_collate, default_convert
+
 from .config import WorkerContext
 from .datasets.batch import Batch
 from .errors import UnsavableDatasetError
@@ -78,7 +80,13 @@ class Layout:
         if saved == (self.fingerprint if num_workers == self.num_workers else None):
             return True
         tree = self._tree(num_workers)
-        return saved in (fingerprint(tree), fingerprint(tree, raw_names=True))
+        trees = [tree]
+        if self.root.collate_fn is None:
+            # Saved with torch's default passed explicitly, before that meant None.
+            default = default_convert if self.batch_size is None else default_collate
+            name = qualified_name(default, unnamed="?")
+            trees.append({**tree, "loader": {**tree["loader"], "collate_fn": name}})
+        return any(saved in (fingerprint(t), fingerprint(t, raw_names=True)) for t in trees)
 
     def saved_with_file_split(self, saved: str, num_workers: int) -> bool:
         """Whether ``saved`` is this pipeline's fingerprint with its file sources built

@@ -3,9 +3,10 @@ main process draws at every epoch (NOTE [ Epoch orders ] in ``_sampling.py``).""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, default_collate, default_convert
@@ -20,6 +21,9 @@ from .datasets.stage import Stage
 from .errors import ConfigError
 from .rng import derive_seed
 from .state.names import QualName, qualified_name
+
+if TYPE_CHECKING:
+    from ._layout import Layout
 
 __all__ = ["Pipeline", "base_seed_generator", "build_pipeline"]
 
@@ -43,12 +47,36 @@ class Pipeline:
             the loader draws nothing there (no ``sampler``, ``batch_sampler`` or
             ``generator``).
         dataset: The loader's ``dataset`` argument.
+        collate_fn: What ``loader.collate_fn`` shows when built: the ``collate_fn``
+            argument, else torch's default for the batching, as torch shows it.
     """
 
     source: Stage[Any]
     root: Batch
     planner: EpochPlanner | None
     dataset: Any
+    collate_fn: Callable[[Any], Any]
+
+    def use_collate(self, collate_fn: Any, layout: Layout, *, running: bool) -> Layout:
+        """Makes ``root`` batch with ``collate_fn`` from the next start of the workers and
+        returns ``layout`` with it (NOTE [ A collate_fn set later ]).
+
+        Raises:
+            ConfigError: ``collate_fn`` is not callable, or the workers run (``running``)
+                and the dataset cannot save the position they would restart from.
+        """
+        if not callable(collate_fn):
+            raise ConfigError(f"collate_fn must be callable, got {collate_fn!r}")
+        if running and (problem := self.root.not_savable()) is not None:
+            raise ConfigError(
+                "collate_fn can change while the loader streams only when the dataset can "
+                f"save its position, which the workers restart from ({problem}); pass it "
+                "to SavableDataLoader(...) or set it before the first iteration"
+            )
+        if not self.sampled and collate_fn is _default_collate(self.root.batch_size):
+            collate_fn = None  # as built_pipeline builds it
+        self.root.collate_fn = collate_fn
+        return dataclasses.replace(layout)
 
     def batches(self, contexts: list[WorkerContext], *, drop_last: bool) -> int:
         """Batches a rank yields per epoch over its workers' ``contexts``, for map-style
@@ -76,6 +104,11 @@ class Pipeline:
     def sampled(self) -> bool:
         """The order comes from a sampler read in the main process."""
         return isinstance(self.source, SampledDataset)
+
+
+def _default_collate(batch_size: int | None) -> Callable[[Any], Any]:
+    """Torch's ``collate_fn`` for a loader batching ``batch_size`` items (None: none)."""
+    return default_convert if batch_size is None else default_collate
 
 
 def _torch_probe(dataset: Any, **arguments: Any) -> DataLoader[Any]:
@@ -125,16 +158,21 @@ def build_pipeline(
         drop_last=drop_last,
         generator=generator,
     )
+    # Torch's own default, which ``loader.collate_fn`` shows.
+    shown = collate_fn or (default_collate if probe.batch_sampler is not None else default_convert)
     drawn = sampler is not None or batch_sampler is not None or generator is not None
     source = as_stage(dataset, shuffle=None if drawn else shuffle, seed=seed)
     if not drawn or not isinstance(source, IndexedDataset):
+        # Torch's default passed explicitly (as code that rebuilds a loader from its
+        # attributes passes it) is the default: the same fingerprint (``Layout.matches``).
+        collate_fn = None if collate_fn is _default_collate(batch_size) else collate_fn
         root = Batch(source, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn)
         planner = None
         if generator is not None:
             planner = EpochPlanner(
                 None, generator, batched=False, draws_every_epoch=draws_every_epoch
             )
-        return Pipeline(source, root, planner, dataset)
+        return Pipeline(source, root, planner, dataset, shown)
     batched = probe.batch_sampler is not None
     index_sampler = probe.batch_sampler if batched else probe.sampler
     planner = EpochPlanner(
@@ -143,8 +181,8 @@ def build_pipeline(
     sampled = SampledDataset(
         dataset, order=planner.order, batched=batched, sampler=_describe(index_sampler)
     )
-    collate = collate_fn or (default_collate if batched else default_convert)
-    return Pipeline(sampled, Batch(sampled, batch_size=None, collate_fn=collate), planner, dataset)
+    root = Batch(sampled, batch_size=None, collate_fn=shown)
+    return Pipeline(sampled, root, planner, dataset, shown)
 
 
 def _describe(index_sampler: Any) -> QualName:

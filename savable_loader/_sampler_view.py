@@ -1,11 +1,12 @@
 """What the loader shows of its sampling and batching arguments (``loader.sampler``,
-``batch_size``, ``drop_last``), while torch's ``DataLoader`` underneath reads the worker
-wrapper, an ``IterableDataset`` it does not batch.
+``batch_size``, ``drop_last``, ``collate_fn``, ``worker_init_fn``), while torch's
+``DataLoader`` underneath reads the worker wrapper, an ``IterableDataset`` it does not
+batch.
 
 NOTE [ What the loader shows of its arguments ]
 ``DataLoader`` guards ``sampler``, ``batch_sampler``, ``batch_size``, ``drop_last``,
-``dataset`` and ``persistent_workers`` after ``__init__``; the loader sets the first four
-it shows with ``object.__setattr__``, to values torch's iterators work with:
+``dataset`` and ``persistent_workers`` after ``__init__``; the loader sets those it shows
+with ``object.__setattr__``, to values torch's iterators work with:
 
 - ``sampler`` is a :class:`SamplerView`. Torch's iterator reads it as its index sampler
   (``DataLoader._index_sampler`` is ``sampler`` while ``batch_sampler`` is None) and only
@@ -20,6 +21,14 @@ it shows with ``object.__setattr__``, to values torch's iterators work with:
   torch's placeholder has.
 - ``batch_size`` (None beside a ``batch_sampler``, as torch reports) and ``drop_last``:
   torch's iterators read ``drop_last`` only when they batch, and they do not.
+- ``collate_fn`` is the user's, or torch's default for the batching (``default_collate``,
+  or ``default_convert`` without a batch size), as torch shows it, and ``worker_init_fn``
+  the user's (None by default). While the stream builds torch's iterators, which read
+  both, they are an identity function (torch hands it every event) and the loader's
+  ``WorkerInit`` around the user's function (``Stream._torch_iterator``). Code that
+  rebuilds a loader from its attributes (Lightning, Accelerate) so passes the user's
+  functions, and a ``worker_init_fn`` set later runs, as with torch, in the workers
+  started next, inside the loader's.
 
 Four stay what torch underneath needs:
 
@@ -34,6 +43,20 @@ Four stay what torch underneath needs:
   the rank, or a copy of the user's generator as it stood before the epoch's draws.
 - ``dataset`` is the worker wrapper torch sends to the workers; the user's dataset is
   ``loader.source`` or, for a map-style dataset, ``loader.source.data``.
+
+NOTE [ A collate_fn set later ]
+Torch lets ``loader.collate_fn`` be set after ``__init__`` and reads it whenever it
+starts workers (or, without workers, at every ``iter()``). The loader batches inside the
+pipeline (``Batch``), so setting it changes the pipeline's ``Batch`` and the fingerprint
+(``Pipeline.use_collate``). If the stream is running, the loader first stops it keeping
+its position, as after a pipeline error (NOTE [ Errors stop the stream ] in
+``_iterator.py``): the next batch handed on is the first collated by the new function,
+prefetched ones included, and a state saved from then on carries the new function's
+name, so a script that sets it the same way before restoring resumes exactly. Torch
+differs in two ways, both unsavable: its running workers keep the old function until
+they restart, and persistent ones forever. A dataset that cannot save its position
+cannot have the function changed while the stream runs (``ConfigError``). Setting
+torch's default back restores the pipeline as built with ``collate_fn=None``.
 """
 
 from __future__ import annotations
@@ -99,6 +122,7 @@ def shown_arguments(
     batch_size: int | None,
     drop_last: bool,
     in_order: bool,
+    collate_fn: Any,
 ) -> dict[str, Any]:
     """The attributes the loader sets after ``DataLoader.__init__``, by name (NOTE [ What
     the loader shows of its arguments ]).
@@ -108,12 +132,14 @@ def shown_arguments(
         sampler: The loader's ``sampler=`` argument; ``batch_sampler``, ``batch_size``,
             ``drop_last`` and ``in_order`` likewise (``in_order`` shown only where torch
             has the attribute, 2.6 on: the loader passes True to torch).
+        collate_fn: What ``loader.collate_fn`` shows (``Pipeline.collate_fn``).
     """
     target = sampler if sampler is not None else None if planner is None else planner.sampler
     shown = {
         "sampler": SamplerView(target),
         "batch_size": None if batch_sampler is not None else batch_size,
         "drop_last": drop_last,
+        "collate_fn": collate_fn,
     }
     if _torch_compat.in_order_argument():
         shown["in_order"] = in_order

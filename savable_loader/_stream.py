@@ -73,7 +73,7 @@ from . import _torch_compat
 from ._commands import CommandChannel, NoAnswerError
 from ._events import CHECKPOINTING, PRODUCING, STARTING, Event
 from ._fetch_guard import FetchGuard
-from ._worker import WorkerWrapper
+from ._worker import WorkerInit, WorkerWrapper
 from .config import WorkerConfig
 from .errors import WorkerError
 from .state.models import Checkpoint
@@ -135,6 +135,10 @@ class Hang(WorkerError):
         return WorkerError(f"{self.reason}. The loader stopped its workers; {then}.{self.stacks}")
 
 
+def _identity(event: Any) -> Any:
+    return event
+
+
 class Stream:
     """The workers of one run and the ways to talk to them.
 
@@ -178,7 +182,19 @@ class Stream:
         self.done = False
 
     def _torch_iterator(self, *, first: bool) -> Any:
-        """Torch's iterator, waiting at most a poll interval per try (NOTE [ Watchdog ])."""
+        """Torch's iterator, waiting at most a poll interval per try (NOTE [ Watchdog ]),
+        handing on the wrapper's events as they are and starting workers with the loader's
+        ``WorkerInit`` (NOTE [ What the loader shows of its arguments ] in
+        ``_sampler_view.py``)."""
+        shown = self.loader.__dict__
+        users = {name: shown[name] for name in ("collate_fn", "worker_init_fn")}
+        shown.update(collate_fn=_identity, worker_init_fn=WorkerInit(users["worker_init_fn"]))
+        try:
+            return self._build_torch_iterator(first=first)
+        finally:
+            shown.update(users)
+
+    def _build_torch_iterator(self, *, first: bool) -> Any:
         if self.num_workers == 0:
             return DataLoader.__iter__(self.loader)
         loader = self.loader

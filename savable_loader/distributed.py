@@ -56,7 +56,12 @@ from .errors import (
 )
 from .state.models import RankState, one_save
 
-__all__ = ["every_rank_state_dict", "restore_state_global", "save_state_global"]
+__all__ = [
+    "GlobalStates",
+    "every_rank_state_dict",
+    "restore_state_global",
+    "save_state_global",
+]
 
 
 class SavableDataLoader(Protocol):
@@ -70,6 +75,45 @@ class SavableDataLoader(Protocol):
     def save_state_rank(self) -> RankState: ...
 
     def restore_state_rank(self, state: Any, *, approximate: bool = False) -> None: ...
+
+
+class GlobalStates:
+    """The loader's collective methods (``savable_loader.SavableDataLoader`` has them)."""
+
+    def save_state_global(
+        self: SavableDataLoader, global_dst_rank: int = 0
+    ) -> list[RankState] | None:
+        """Gathers every rank's state on ``global_dst_rank``: a collective, every rank calls it.
+
+        Returns:
+            On ``global_dst_rank``, one state per rank of the loader's data-parallel group,
+            in rank order; None on the other ranks.
+
+        Raises:
+            WorkerError: Saving failed on some rank; every rank raises, naming it.
+        """
+        return save_state_global(self, global_dst_rank)
+
+    def restore_state_global(
+        self: SavableDataLoader,
+        states: Sequence[RankState | dict[str, Any]] | None,
+        src_rank: int | None = None,
+        *,
+        approximate: bool = False,
+    ) -> None:
+        """Restores every rank from the list :meth:`save_state_global` returned.
+
+        Either every rank passes the full list (``src_rank=None``), or only ``src_rank``
+        (a rank within the data-parallel group) does and each rank receives its own entry.
+        A list saved with another number of ranks or workers is resharded (NOTE [ Elastic
+        resume ] in ``datasets/elastic.py``); ``approximate`` is as in
+        :meth:`restore_state_rank`.
+
+        Raises:
+            StateError: The list does not fit this job (pipeline, seed, batch size, or a
+                layout change on a pipeline that is not elastic); every rank raises.
+        """
+        restore_state_global(self, states, src_rank, approximate=approximate)
 
 
 #: What a rank reports to the others: None when it succeeded, else (error type, text).

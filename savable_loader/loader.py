@@ -25,7 +25,7 @@ from ._pipeline import base_seed_generator, build_pipeline
 from ._runtime import RuntimeSpec
 from ._sampler_view import shown_arguments
 from ._stream import Hang, Stream
-from ._worker import WorkerInit, WorkerWrapper
+from ._worker import WorkerWrapper
 from .config import WorkerConfig
 from .errors import SavableLoaderError, WorkerError
 from .state.files import encode_state
@@ -34,11 +34,7 @@ from .state.models import Checkpoint, RankState, one_save
 __all__ = ["SavableDataLoader"]
 
 
-def _identity(event: Any) -> Any:
-    return event
-
-
-class SavableDataLoader(DataLoader[Any]):
+class SavableDataLoader(distributed.GlobalStates, DataLoader[Any]):
     """A ``DataLoader`` whose position in the data stream can be saved and restored exactly.
 
     Arguments keep ``DataLoader``'s names and defaults where they apply. Batching
@@ -146,10 +142,10 @@ class SavableDataLoader(DataLoader[Any]):
             self._wrapper,
             batch_size=None,
             num_workers=num_workers,
-            collate_fn=_identity,
+            collate_fn=None,  # NOTE [ What the loader shows of its arguments ]
             pin_memory=pin_memory,
             timeout=timeout,
-            worker_init_fn=WorkerInit(worker_init_fn),
+            worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             generator=base_seed_generator(seed, self.rank),
             prefetch_factor=prefetch_factor,
@@ -158,7 +154,13 @@ class SavableDataLoader(DataLoader[Any]):
             **_torch_compat.in_order_argument(),
         )
         for name, value in shown_arguments(  # NOTE [ What the loader shows of its arguments ]
-            self._planner, sampler, batch_sampler, batch_size, drop_last, in_order
+            self._planner,
+            sampler,
+            batch_sampler,
+            batch_size,
+            drop_last,
+            in_order,
+            pipeline.collate_fn,
         ).items():
             object.__setattr__(self, name, value)
         self._own_generator = self.generator
@@ -174,6 +176,14 @@ class SavableDataLoader(DataLoader[Any]):
         self._closed = False
         self._last_worker: int | None = None
         self._retries = 2  # NOTE [ Workers that never started ] in _iterator.py
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "collate_fn" and "layout" in self.__dict__:  # NOTE [ A collate_fn set later ]
+            running = self._stream is not None
+            layout = self._pipeline.use_collate(value, self.layout, running=running)
+            self._halt()
+            self.layout, self.fingerprint = layout, layout.fingerprint
+        super().__setattr__(name, value)
 
     # -- iteration --------------------------------------------------------------------
 
@@ -407,39 +417,6 @@ class SavableDataLoader(DataLoader[Any]):
             StateError: As :meth:`restore_state_rank`.
         """
         return _elastic.reshard(one_save(states), self.layout, rank, approximate=approximate)
-
-    def save_state_global(self, global_dst_rank: int = 0) -> list[RankState] | None:
-        """Gathers every rank's state on ``global_dst_rank``: a collective, every rank calls it.
-
-        Returns:
-            On ``global_dst_rank``, one state per rank of the loader's data-parallel group,
-            in rank order; None on the other ranks.
-
-        Raises:
-            WorkerError: Saving failed on some rank; every rank raises, naming it.
-        """
-        return distributed.save_state_global(self, global_dst_rank)
-
-    def restore_state_global(
-        self,
-        states: Sequence[RankState | dict[str, Any]] | None,
-        src_rank: int | None = None,
-        *,
-        approximate: bool = False,
-    ) -> None:
-        """Restores every rank from the list :meth:`save_state_global` returned.
-
-        Either every rank passes the full list (``src_rank=None``), or only ``src_rank``
-        (a rank within the data-parallel group) does and each rank receives its own entry.
-        A list saved with another number of ranks or workers is resharded (NOTE [ Elastic
-        resume ] in ``datasets/elastic.py``); ``approximate`` is as in
-        :meth:`restore_state_rank`.
-
-        Raises:
-            StateError: The list does not fit this job (pipeline, seed, batch size, or a
-                layout change on a pipeline that is not elastic); every rank raises.
-        """
-        distributed.restore_state_global(self, states, src_rank, approximate=approximate)
 
     def state_dict(self) -> dict[str, bytes]:
         """Returns this rank's state for ``torch.distributed.checkpoint`` or ``torch.save``.
