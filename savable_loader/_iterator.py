@@ -50,10 +50,45 @@ epoch's order travels with the pipeline to the workers; its workers' generators 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LoaderIterator"]
+__all__ = ["LengthCheck", "LoaderIterator"]
+
+
+@dataclass(frozen=True)
+class LengthCheck:
+    """Torch's warning when an iterator over an ``IterableDataset`` yields more than the
+    dataset's length once ``len(loader)`` was read (torch compares the batches an iterator
+    yields with ``len(dataset)``, and so does this).
+
+    Attributes:
+        length: ``len(dataset)`` when ``len(loader)`` was read.
+        dataset: The user's dataset, named in the warning.
+        num_workers: The loader's workers (the warning then suggests sharding).
+    """
+
+    length: int
+    dataset: Any
+    num_workers: int
+
+    def check(self, yielded: int) -> None:
+        if yielded <= self.length:
+            return
+        message = (
+            f"Length of IterableDataset {self.dataset} was reported to be {self.length}"
+            f"(when accessing len(dataloader)), but {yielded} samples have been fetched. "
+        )
+        if self.num_workers > 0:
+            message += (
+                "For multiprocessing data-loading, this could be caused by not properly "
+                "configuring the IterableDataset replica at each worker. Please see "
+                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                "for examples."
+            )
+        warnings.warn(message, stacklevel=3)
 
 
 class LoaderIterator(Iterator[Any]):
@@ -62,17 +97,25 @@ class LoaderIterator(Iterator[Any]):
 
     Args:
         next_item: The loader's next item; raises StopIteration when the epoch ends.
+        length: Torch's check of an iterable dataset's length, as ``len(loader)`` left
+            it when the iterator was made (None: no check, as before any ``len()``).
     """
 
-    def __init__(self, next_item: Callable[[], Any]) -> None:
+    def __init__(self, next_item: Callable[[], Any], length: LengthCheck | None = None) -> None:
         self._next_item = next_item
+        self._length = length
+        self._yielded = 0
         self._done = False
 
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
         try:
-            return self._next_item()
+            item = self._next_item()
         except StopIteration:
             self._done = True
             raise
+        self._yielded += 1
+        if self._length is not None:
+            self._length.check(self._yielded)
+        return item

@@ -93,12 +93,28 @@ class Pipeline:
             return len(planner.index_sampler)
         if isinstance(self.source, IndexedDataset):
             return self.source.rank_batches(contexts, drop_last=drop_last)
-        if not hasattr(type(self.dataset), "__len__"):
-            raise TypeError(f"{self.source.describe()} has no len(); the epoch ends when it does")
-        items, size = len(self.dataset), self.root.batch_size
+        items, size = self.iterable_length(), self.root.batch_size
         if size is None:
             return items
         return items // size if drop_last else -(-items // size)
+
+    def iterable_length(self) -> int:
+        """``len(dataset)`` of an iterable dataset, which ``len(loader)`` is computed from.
+
+        Raises:
+            TypeError: The dataset has no length: its epoch ends when it does.
+        """
+        if not hasattr(type(self.dataset), "__len__"):
+            raise TypeError(f"{self.source.describe()} has no len(); the epoch ends when it does")
+        return len(self.dataset)
+
+    @property
+    def iterable(self) -> bool:
+        """The pipeline's epoch is the dataset's own, not an order of indices (``batches``
+        counts it from ``iterable_length``)."""
+        planner = self.planner
+        drawn = planner is not None and planner.index_sampler is not None
+        return not drawn and not isinstance(self.source, IndexedDataset)
 
     @property
     def sampled(self) -> bool:

@@ -19,7 +19,7 @@ from ._book import Book
 from ._checks import check_arguments
 from ._compat import SavedStates, check_compatible, own_state, state_from_dict, state_key
 from ._events import END, ERROR, PLACEHOLDER, Failure
-from ._iterator import LoaderIterator
+from ._iterator import LengthCheck, LoaderIterator
 from ._layout import Layout
 from ._pipeline import base_seed_generator, build_pipeline
 from ._runtime import RuntimeSpec
@@ -176,6 +176,7 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[Any]):
         self._closed = False
         self._last_worker: int | None = None
         self._retries = 2  # NOTE [ Workers that never started ] in _iterator.py
+        self._length: LengthCheck | None = None  # set by len() (LengthCheck)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "collate_fn" and "layout" in self.__dict__:  # NOTE [ A collate_fn set later ]
@@ -201,7 +202,7 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[Any]):
                     raise
         if self._stream is None:
             self._start_stream(new_epoch=new_epoch)
-        return LoaderIterator(self._next)
+        return LoaderIterator(self._next, self._length)
 
     def _start_stream(self, *, new_epoch: bool = False) -> None:
         self._spec.starts = self._book.starts(new_epoch=new_epoch)
@@ -272,7 +273,11 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[Any]):
     def __len__(self) -> int:
         """Batches this rank yields per epoch, as with torch (``Pipeline.batches``)."""
         contexts = [self._spec.context(w) for w in range(max(self.num_workers, 1))]
-        return self._pipeline.batches(contexts, drop_last=self.drop_last)
+        batches = self._pipeline.batches(contexts, drop_last=self.drop_last)
+        if self._pipeline.iterable:  # torch's warning, from the next iterator on
+            items = self._pipeline.iterable_length()
+            self._length = LengthCheck(items, self._pipeline.dataset, self.num_workers)
+        return batches
 
     # -- faults (NOTE [ Errors stop the stream ]) -------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -232,6 +233,32 @@ def test_len_of_an_iterable_dataset_with_a_length_is_torchs(batch_size, drop_las
     for loader in (DataLoader(Stream(), **options), SavableDataLoader(Stream(), **options)):
         with pytest.raises(TypeError):
             len(loader)
+
+
+def _warnings(loader: Any) -> tuple[list[Any], list[str]]:
+    """The batches of an epoch and the warnings raised while they were read."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = [torch.as_tensor(b).tolist() for b in loader]
+    return batches, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize(("batch_size", "num_workers"), [(None, 0), (None, 2), (2, 0)])
+def test_an_iterable_longer_than_its_length_warns_as_torch_does(batch_size, num_workers):
+    """Once ``len(loader)`` was read, every batch beyond ``len(dataset)`` warns with torch's
+    message (the usual cause: each worker yields the whole dataset); before, none does."""
+    options = {"batch_size": batch_size, "num_workers": num_workers}
+    torchs = DataLoader(SizedStream(5, 2), **options)
+    with SavableDataLoader(SizedStream(5, 2), **options) as ours:
+        assert _warnings(ours)[1] == [] == _warnings(torchs)[1]
+        assert len(ours) == len(torchs)
+        (torch_batches, torch_warned), (our_batches, we_warned) = map(_warnings, (torchs, ours))
+    assert our_batches == torch_batches
+    assert len(we_warned) == len(torch_warned) > 0
+    for ours_, torchs_ in zip(we_warned, torch_warned, strict=True):
+        # The same but for the address: the two loaders read two instances.
+        assert ours_.split(" object at ")[0] == torchs_.split(" object at ")[0]
+        assert ours_.split(">", 1)[1] == torchs_.split(">", 1)[1]
 
 
 def test_the_view_copies_and_pickles() -> None:
