@@ -157,7 +157,8 @@ class EpochPlanner:
             # The previous epoch's order goes first, so two epochs never coexist.
             self.order.clear()
             fresh = EpochOrder.of(epoch, self.index_sampler, batched=self.batched)
-            self.order.indices, self.order.offsets = fresh.indices, fresh.offsets
+            order = self.order
+            order.indices, order.offsets, order.kind = fresh.indices, fresh.offsets, fresh.kind
             self.order.epoch = epoch
         return base_seed
 

@@ -15,7 +15,11 @@ The sampler is read once, straight into int64 buffers: 8 bytes an index, and wit
 automatic batching 8 more a group for its length, then for its offset. No Python list of
 the epoch is built, so the main process adds about 8 bytes an index to what the sampler
 holds itself while it is read (torch's ``RandomSampler`` holds ``randperm(N).tolist()``,
-which torch's ``DataLoader`` pays too). Forked workers share those arrays' pages; with
+which torch's ``DataLoader`` pays too). The dataset receives every index as the sampler
+gave it, as with torch: integers of one type (Python's ``int``, or one NumPy integer
+type, read back as that type) take the buffers; from the first index of another type (a
+list for bulk loading, a key of a dict, a tensor, a mix of types) the epoch is kept as a
+list of the sampler's objects instead. Forked workers share those arrays' pages; with
 spawn or forkserver each worker receives a copy of the whole epoch, since torch sends
 the same pipeline to every worker and a worker's share is only known in the worker
 (giving each only its groups would change what torch sends, not a public seam).
@@ -29,6 +33,8 @@ a restore skips only what the worker produced after its last checkpoint (NOTE
 
 from __future__ import annotations
 
+import itertools
+import operator
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -55,27 +61,32 @@ class EpochOrder:
         indices: Every index of the epoch, in order.
         offsets: With automatic batching, group ``g`` is ``indices[offsets[g]:
             offsets[g + 1]]``; None: every index is a group of its own (an item).
+        kind: The type of every index in an int64 ``indices``.
     """
 
     epoch: int = -1
-    indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    indices: np.ndarray | list[Any] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     offsets: np.ndarray | None = None
+    kind: type = int
 
     @classmethod
     def of(cls, epoch: int, groups: Iterable[Any], *, batched: bool) -> EpochOrder:
         """Builds the order of ``epoch`` by reading the sampler ``groups`` once, into int64
-        buffers (NOTE [ Samplers are sources ])."""
+        buffers while its indices are integers (NOTE [ Samplers are sources ])."""
+        flat = _Indices()
         if not batched:
-            return cls(epoch, np.fromiter(map(int, groups), dtype=np.int64), None)
-        flat: array[int] = array("q")
+            indices = iter(groups)
+            while chunk := list(itertools.islice(indices, _CHUNK)):
+                flat.extend(chunk)
+            return cls(epoch, flat.values(), None, flat.kind)
         lengths: array[int] = array("q")
         for group in groups:
             start = len(flat)
-            flat.extend(map(int, group))
+            flat.extend(group)
             lengths.append(len(flat) - start)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
-        return cls(epoch, np.frombuffer(flat, dtype=np.int64), offsets)
+        return cls(epoch, flat.values(), offsets, flat.kind)
 
     def clear(self) -> None:
         """Forgets the epoch's groups (before the next epoch is read)."""
@@ -87,11 +98,53 @@ class EpochOrder:
         """Groups in the epoch."""
         return len(self.indices) if self.offsets is None else len(self.offsets) - 1
 
-    def group(self, g: int) -> list[int] | int:
+    def group(self, g: int) -> list[Any] | Any:
         """Group ``g``: a list of indices, or one index without automatic batching."""
+        indices, kind = self.indices, self.kind
         if self.offsets is None:
-            return int(self.indices[g])
-        return self.indices[self.offsets[g] : self.offsets[g + 1]].tolist()  # type: ignore[no-any-return]
+            return kind(indices[g]) if isinstance(indices, np.ndarray) else indices[g]
+        group = indices[self.offsets[g] : self.offsets[g + 1]]
+        if not isinstance(group, np.ndarray):
+            return group
+        return group.tolist() if kind is int else [kind(index) for index in group]
+
+
+#: Indices of an unbatched sampler read at a time.
+_CHUNK = 1 << 16
+
+
+class _Indices:
+    """An epoch's indices as they are read: int64 while they are integers, then the
+    sampler's objects (NOTE [ Samplers are sources ])."""
+
+    def __init__(self) -> None:
+        self._ints: array[int] = array("q")
+        self._objects: list[Any] | None = None
+        #: The type of every index so far, while they are integers of one type.
+        self.kind: type = int
+
+    def __len__(self) -> int:
+        return len(self._ints) if self._objects is None else len(self._objects)
+
+    def extend(self, indices: Iterable[Any]) -> None:
+        if self._objects is None:
+            indices = list(indices)
+            if indices and not self._ints:
+                self.kind = type(indices[0])
+            integers = self.kind is int or issubclass(self.kind, np.integer)
+            if integers and set(map(type, indices)) <= {self.kind}:
+                try:
+                    self._ints.extend(array("q", map(operator.index, indices)))
+                    return
+                except OverflowError:  # beyond int64
+                    pass
+            self._objects = [self.kind(index) for index in self._ints]
+        self._objects.extend(indices)
+
+    def values(self) -> np.ndarray | list[Any]:
+        if self._objects is not None:
+            return self._objects
+        return np.frombuffer(self._ints, dtype=np.int64)
 
 
 class _State(StageState):
@@ -174,7 +227,7 @@ class _SampledCursor(Cursor[Any]):
     def _read(self, pos: int) -> Any:
         group = self.stage.order.group(self.context.worker_id + pos * self.step)
         data = self.stage.data
-        if isinstance(group, int):
+        if not self.stage.batched:
             return data[group]
         return [data[index] for index in group]
 
