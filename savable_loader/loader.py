@@ -10,7 +10,7 @@ The stream's lifecycle (epochs, workers per epoch, errors) is described in ``_it
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self, TypeVar
 
 from torch.utils.data import DataLoader
 
@@ -33,8 +33,11 @@ from .state.models import Checkpoint, RankState, one_save
 
 __all__ = ["SavableDataLoader"]
 
+#: What the loader yields: ``SavableDataLoader[T]`` as ``DataLoader[T]``.
+T_co = TypeVar("T_co", covariant=True)
 
-class SavableDataLoader(distributed.GlobalStates, DataLoader[Any]):
+
+class SavableDataLoader(distributed.GlobalStates, DataLoader[T_co]):
     """A ``DataLoader`` whose position in the data stream can be saved and restored exactly.
 
     Arguments keep ``DataLoader``'s names and defaults where they apply. Batching
@@ -139,7 +142,7 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[Any]):
         )
         self._wrapper = WorkerWrapper(self._spec)
         super().__init__(
-            self._wrapper,
+            self._wrapper,  # type: ignore[arg-type]  # yields events; the loader, T_co
             batch_size=None,
             num_workers=num_workers,
             collate_fn=None,  # NOTE [ What the loader shows of its arguments ]
@@ -464,7 +467,7 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[Any]):
         if self._broken is not None:
             raise SavableLoaderError(f"this SavableDataLoader cannot continue: {self._broken}")
 
-    def __enter__(self) -> SavableDataLoader:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

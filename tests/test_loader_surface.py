@@ -11,7 +11,7 @@ import os
 import pickle
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 import pytest
 import torch
@@ -316,3 +316,17 @@ def test_an_iterable_datasets_missing_length_is_torchs_error() -> None:
     with SavableDataLoader(Stream()) as loader, pytest.raises(TypeError) as ours:
         len(loader.dataset)
     assert str(ours.value) == str(torchs.value)
+
+
+def test_the_loader_is_generic_as_torchs() -> None:
+    """Annotations such as ``SavableDataLoader[list[Tensor]]`` evaluate, as
+    ``DataLoader[list[Tensor]]`` does (scripts evaluate them at run time)."""
+
+    def batches() -> SavableDataLoader[list[torch.Tensor]]:
+        return SavableDataLoader(Numbers(), batch_size=2)
+
+    hints = get_type_hints(batches)
+    assert get_origin(hints["return"]) is SavableDataLoader
+    assert get_args(hints["return"]) == get_args(DataLoader[list[torch.Tensor]])
+    with batches() as loader:
+        assert isinstance(loader, DataLoader)

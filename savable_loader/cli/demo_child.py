@@ -137,7 +137,7 @@ class DemoSettings:
     def total_steps(self) -> int:
         return self.steps * EPOCHS
 
-    def build_loader(self) -> SavableDataLoader:
+    def build_loader(self) -> SavableDataLoader[Any]:
         dataset = AugmentedImages(self.steps * BATCH_SIZE)
         return SavableDataLoader(dataset, batch_size=BATCH_SIZE, num_workers=self.workers)
 
@@ -270,7 +270,7 @@ def run_child(mode: str, settings: DemoSettings, paths: DemoPaths) -> int:
     return 0
 
 
-def _save(loader: SavableDataLoader, path: Path, step: int) -> dict[str, Any]:
+def _save(loader: SavableDataLoader[Any], path: Path, step: int) -> dict[str, Any]:
     began = time.perf_counter()
     state = loader.save_state_rank()
     captured = time.perf_counter()

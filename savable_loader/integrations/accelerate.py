@@ -66,7 +66,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 __all__ = ["AccelerateSavableDataLoader", "every_rank_state_dict"]
 
 
-def every_rank_state_dict(loader: SavableDataLoader) -> dict[str, bytes]:
+def every_rank_state_dict(loader: SavableDataLoader[Any]) -> dict[str, bytes]:
     """Every rank's entry of ``loader``'s state: ``{"rank_0": ..., "rank_1": ...}``.
 
     For a trainer that writes its checkpoint on the main process only. A collective over
@@ -90,7 +90,7 @@ class _PlacedIterator(Iterator[Any]):
         return send_to_device(next(self._inner), self._device)
 
 
-class AccelerateSavableDataLoader(SavableDataLoader):
+class AccelerateSavableDataLoader(SavableDataLoader[Any]):
     """A :class:`~savable_loader.SavableDataLoader` for Hugging Face Accelerate.
 
     Takes the same arguments, plus ``device_placement``. ``accelerator.prepare()``

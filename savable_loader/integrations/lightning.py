@@ -87,7 +87,7 @@ class _EpochIterator:
             return next(self._inner)
 
 
-class LightningSavableDataLoader(SavableDataLoader):
+class LightningSavableDataLoader(SavableDataLoader[Any]):
     """A :class:`~savable_loader.SavableDataLoader` for PyTorch Lightning's ``Trainer``.
 
     Takes the same arguments. Its state goes into Lightning's checkpoint with every

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..loader import SavableDataLoader
 from .divergence import ResumeMismatch
@@ -39,7 +40,7 @@ class ResumeReport:
 
 
 def assert_resumes_exactly(
-    build: Callable[[], SavableDataLoader],
+    build: Callable[[], SavableDataLoader[Any]],
     *,
     epochs: int = 2,
     points: Iterable[int] | None = None,

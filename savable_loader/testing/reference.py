@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..loader import SavableDataLoader
 from ..state.models import RankState
@@ -42,7 +43,7 @@ class _Reference:
         return len(self.digests[epoch]) - position if epoch < len(self.digests) else 0
 
 
-def _epoch_lengths(build: Callable[[], SavableDataLoader], epochs: int) -> list[int]:
+def _epoch_lengths(build: Callable[[], SavableDataLoader[Any]], epochs: int) -> list[int]:
     # A first pass learns the epoch lengths, to choose save points that fall inside them.
     loader = build()
     try:
@@ -95,7 +96,7 @@ def _planned_runs(
 
 
 def _reference_run(
-    build: Callable[[], SavableDataLoader],
+    build: Callable[[], SavableDataLoader[Any]],
     lengths: list[int],
     chosen: set[int],
     boundaries: bool,

@@ -44,7 +44,7 @@ class _Checker:
 
     def __init__(
         self,
-        build: Callable[[], SavableDataLoader],
+        build: Callable[[], SavableDataLoader[Any]],
         reference: _Reference,
         later_epochs: int | None = None,
     ) -> None:
@@ -93,7 +93,7 @@ class _Checker:
 
     def _consume(
         self,
-        loader: SavableDataLoader,
+        loader: SavableDataLoader[Any],
         start: tuple[int, int],
         label: str,
         limit: int | None,

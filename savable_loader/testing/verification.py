@@ -142,7 +142,7 @@ def verify(
         batch, share = batch_size, 1.0
     previous: list[Any] = [probe]
 
-    def build() -> SavableDataLoader:
+    def build() -> SavableDataLoader[Any]:
         made = factory()
         if any(made is earlier for earlier in previous):
             raise ConfigError(
