@@ -15,6 +15,7 @@ from ._sampling import EpochPlanner
 from .config import WorkerContext
 from .datasets.adapt import as_stage
 from .datasets.batch import Batch
+from .datasets.datapipes import is_datapipe
 from .datasets.indexed import IndexedDataset
 from .datasets.sampled import SampledDataset
 from .datasets.stage import Stage
@@ -120,6 +121,13 @@ class Pipeline:
     def sampled(self) -> bool:
         """The order comes from a sampler read in the main process."""
         return isinstance(self.source, SampledDataset)
+
+    @property
+    def drawn_each_epoch(self) -> bool:
+        """The main process draws something the workers read every epoch (a sampler's
+        order, or a DataPipe's seed: NOTE [ DataPipes ] in ``datasets/datapipes.py``), so
+        the workers start anew every epoch."""
+        return self.sampled or is_datapipe(self.dataset)
 
 
 def _default_collate(batch_size: int | None) -> Callable[[Any], Any]:

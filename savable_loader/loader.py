@@ -27,6 +27,7 @@ from ._sampler_view import shown_arguments
 from ._stream import Hang, Stream
 from ._worker import WorkerWrapper
 from .config import WorkerConfig
+from .datasets.datapipes import is_datapipe, seed_epoch
 from .errors import SavableLoaderError, WorkerError
 from .state.files import encode_state
 from .state.models import Checkpoint, RankState, one_save
@@ -123,7 +124,7 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[T_co]):
         #: NOTE [ Epoch orders ] in ``_sampling.py``; None when nothing is drawn there.
         self._planner = pipeline.planner
         #: Workers start anew for every epoch (NOTE [ Workers per epoch ]).
-        self._restarts = num_workers > 0 and (not persistent_workers or pipeline.sampled)
+        self._restarts = num_workers > 0 and (not persistent_workers or pipeline.drawn_each_epoch)
         self.worker_config = worker_config or WorkerConfig()
         self.rank, self.world_size = self.worker_config.resolve()
         self.seed = seed
@@ -217,6 +218,8 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[T_co]):
     def _draw_epoch(self) -> None:
         """Makes the current epoch's draws in the main process, once (NOTE [ Epoch orders ])."""
         planner, self.generator = self._planner, self._own_generator
+        if is_datapipe(pipe := self._pipeline.dataset):  # NOTE [ DataPipes ]
+            seed_epoch(pipe, self.seed, self._book.epoch)
         if planner is not None:
             if planner.needs_draw(self._book.epoch):
                 self._spec.fresh_seeds = planner.draw(self._book.epoch) is not None

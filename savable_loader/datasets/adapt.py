@@ -51,6 +51,7 @@ from ..errors import ConfigError, SavableLoaderError, UnsavableDatasetError
 from ..state.names import qualified_name
 from .base import SavableDataset
 from .cursor import Cursor
+from .datapipes import is_datapipe, shard
 from .indexed import IndexedDataset
 from .stage import Stage
 from .stateful import StatefulDataset, is_stateful
@@ -106,7 +107,7 @@ def as_stage(obj: Any, *, shuffle: bool | None = None, seed: int = 0) -> Stage[A
             f"{type(obj).__name__} is neither a SavableDataset, a Stateful iterable nor a "
             "map-style dataset (__getitem__ and __len__)"
         )
-    if shuffle:
+    if shuffle and not is_datapipe(obj):  # NOTE [ DataPipes ] in datapipes.py
         raise ConfigError(
             f"shuffle=True applies to map-style datasets; {type(obj).__name__} is "
             "iterable: shuffle inside the pipeline (savable_loader.datasets)"
@@ -240,6 +241,11 @@ class UnsavableStage(DatasetStage[T]):
 
 class _UnsavableCursor(_DatasetCursor[T]):
     stage_name = "UnsavableStage"
+
+    def __init__(self, dataset: Any, context: WorkerContext) -> None:
+        super().__init__(dataset, context)
+        if is_datapipe(dataset):
+            shard(dataset, context)
 
     def own_state(self) -> Any:
         return None
