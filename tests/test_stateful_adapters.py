@@ -84,6 +84,32 @@ class _ReadAhead:
         self.pos = 0
 
 
+class _OwnIterator(torch.utils.data.IterableDataset):
+    """Its own iterator (NOTE [ Objects that are their own iterator ]): ``__iter__`` starts
+    a pass, creating the position ``state_dict()`` reads, and returns the object; each
+    item draws noise from torch's global generator."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> _OwnIterator:
+        info = get_worker_info()
+        self.pos, self.step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.pos >= self.n:
+            raise StopIteration
+        self.pos += self.step
+        return {"i": self.pos - self.step, "noise": float(torch.rand(()))}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
 def _node() -> Any:
     return Mapper(IterableWrapper(_Shard(25)), lambda i: {"i": i, "noise": torch.rand(2)})
 
@@ -112,6 +138,8 @@ BUILDS = {
     "plain": lambda: from_stateful(StatefulCounter(15)),
     "plain_replay": lambda: from_stateful(StatefulCounter(15), resume="replay"),
     "read_ahead_replay": lambda: from_stateful(_ReadAhead(17), resume="replay"),
+    "own_iterator": lambda: _OwnIterator(13),
+    "own_iterator_replay": lambda: from_stateful(_OwnIterator(13), resume="replay"),
 }
 
 
@@ -127,7 +155,8 @@ def test_resumes_exactly_without_workers(name):
 # more is tests/test_resume.py's.
 @slow
 @pytest.mark.parametrize(
-    "name", ["hf", "hf_map_rng_replay", "hf_shuffle_map_rng", "node", "read_ahead_replay"]
+    "name",
+    ["hf", "hf_map_rng_replay", "hf_shuffle_map_rng", "node", "read_ahead_replay", "own_iterator"],
 )
 def test_resumes_exactly_with_workers(name):
     _check(BUILDS[name], num_workers=2, num_points=3, chain_items=(1,))
@@ -309,3 +338,29 @@ def test_map_style_dataset_with_state_dict_is_served_as_map_style(shuffle):
         resumed.restore_state_rank(state)
         assert [b.tolist() for b in resumed] == tail
     assert data.loaded is None  # the indexed source saves the position, not the dataset
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_its_own_iterator_resumes_as_torchdatas_stateful_loader_does(num_workers):
+    """Saved after 3 batches and restored into a new loader: the rest is the rest of an
+    uninterrupted run, which is also what torchdata's ``StatefulDataLoader`` resumes
+    (``iter()`` first, then ``load_state_dict``)."""
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    expected = []
+    for loader_class in (stateful_dataloader.StatefulDataLoader, SavableDataLoader):
+        options = {"batch_size": 2, "num_workers": num_workers}
+        first = loader_class(_OwnIterator(13), **options)
+        iterator = iter(first)
+        head = [next(iterator)["i"].tolist() for _ in range(3)]
+        state = first.state_dict()
+        rest = [batch["i"].tolist() for batch in iterator]
+        second = loader_class(_OwnIterator(13), **options)
+        second.load_state_dict(state)
+        assert [batch["i"].tolist() for batch in second] == rest, loader_class.__name__
+        expected.append(head + rest)
+        if loader_class is SavableDataLoader:
+            first.close()
+            second.close()
+    assert expected[0] == expected[1]
+    assert sorted(i for batch in expected[1] for i in batch) == list(range(13))

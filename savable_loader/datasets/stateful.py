@@ -27,6 +27,18 @@ after a full iteration. Hugging Face keeps its epoch in a shared-memory tensor t
 ``set_epoch`` reads then adds to, which forked workers would race on, so each worker
 uses its own deep copy (``datasets`` shares the immutable Arrow tables between copies).
 
+NOTE [ Objects that are their own iterator ]
+An object whose ``__iter__`` returns itself (its class has ``__next__``) commonly resets
+its position there: ``iter(obj)`` starts a new pass. Its position is then what
+``state_dict()`` reports once it iterates, and a position loads into an iteration already
+begun: the adapter calls ``iter(obj)`` first, then ``load_state_dict``, as torchdata's
+``StatefulDataLoader`` does for such an object. Loading first would be undone by the
+``iter()``, and the stream would restart from its first item. Nor does the adapter read
+``state_dict()`` before the first ``iter()`` (such an object may only build its position
+there): an epoch not begun is saved as None, which restores as a plain ``iter(obj)``.
+Other objects (a Hugging Face dataset, whose ``__iter__`` returns a generator) load a
+state before ``iter()``, and their state at construction is where epoch 0 starts.
+
 NOTE [ A torchdata Loader is refused ]
 ``torchdata.nodes.Loader`` wraps a root node for a training loop; it has ``state_dict()``
 and ``load_state_dict()`` but is not a position this adapter can restore. Reading its
@@ -121,9 +133,12 @@ class StatefulDataset(Stage[T]):
         if resume == "auto":
             resume = "replay" if self.hf and _hf_may_shuffle(obj) else "state"
         self.resume: Literal["state", "replay"] = resume
+        #: ``iter(obj)`` is ``obj`` (NOTE [ Objects that are their own iterator ]).
+        self.own_iterator = not self.node and callable(getattr(type(obj), "__next__", None))
         #: The object's state at construction: where epoch 0 starts (None for a node,
-        #: which starts from reset()).
-        self.initial = None if self.node else copy.deepcopy(self.obj.state_dict())
+        #: which starts from reset(), and for its own iterator, from iter()).
+        fresh = self.node or self.own_iterator
+        self.initial = None if fresh else copy.deepcopy(self.obj.state_dict())
 
     def config(self) -> dict[str, Any]:
         return {"type": "StatefulDataset", "of": type(self.obj).__qualname__, "resume": self.resume}
@@ -158,7 +173,8 @@ class _StatefulCursor(Cursor[T]):
             return item  # type: ignore[no-any-return]
         if self.stage.node:
             self.obj.reset()
-        self._restart(self.obj.state_dict(), epoch=self._epoch + 1, load=False)
+        after = None if self.stage.own_iterator else self.obj.state_dict()
+        self._restart(after, epoch=self._epoch + 1, load=False)
         raise StopIteration
 
     def own_state(self) -> dict[str, Any]:
@@ -191,19 +207,27 @@ class _StatefulCursor(Cursor[T]):
     def _restart(self, obj_state: Any, *, epoch: int, load: bool = True) -> None:
         """Stands at ``obj_state``, not opened; ``load`` gives the object a copy to edit."""
         self._resting = copy.deepcopy(obj_state)
-        if load:
-            try:
-                if self.stage.node:
-                    self.obj.reset(copy.deepcopy(obj_state))
-                else:
-                    self.obj.load_state_dict(copy.deepcopy(obj_state))
-            except (KeyError, TypeError, ValueError, AttributeError) as error:
-                raise StateError(
-                    f"from_stateful: {type(self.obj).__name__} refused the saved state "
-                    f"({type(error).__name__}: {error}); restore a state of the same pipeline"
-                ) from error
+        #: A state its own iterator loads once ``iter()`` began (NOTE [ Objects that are
+        #: their own iterator ]).
+        self._pending = None
+        if load and self.stage.own_iterator:
+            self._pending = copy.deepcopy(obj_state)
+        elif load:
+            self._load(obj_state)
         self._epoch, self._consumed = epoch, 0
         self._iterator = self._generators = None
+
+    def _load(self, obj_state: Any) -> None:
+        try:
+            if self.stage.node:
+                self.obj.reset(copy.deepcopy(obj_state))
+            else:
+                self.obj.load_state_dict(copy.deepcopy(obj_state))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise StateError(
+                f"from_stateful: {type(self.obj).__name__} refused the saved state "
+                f"({type(error).__name__}: {error}); restore a state of the same pipeline"
+            ) from error
 
     def _open(self) -> Iterator[T]:
         """Starts the epoch's iteration; in replay mode, reads ``consumed`` items again."""
@@ -214,6 +238,9 @@ class _StatefulCursor(Cursor[T]):
             seed = rng.derive_seed(*self._keys, _STREAM_PURPOSE, self._epoch)
             self._generators = rng.OwnGenerators.seeded(seed)
         iterator: Iterator[T] = self._read(self.obj, first=True)
+        if self._pending is not None:
+            self._load(self._pending)
+            self._pending = None
         self._iterator = iterator
         for read in range(self._consumed):
             if self._read(iterator) is _END:
