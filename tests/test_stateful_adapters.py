@@ -110,6 +110,47 @@ class _OwnIterator(torch.utils.data.IterableDataset):
         self.pos = state["pos"]
 
 
+class _Position:
+    """An iterator that holds the position, with ``state_dict()`` of its own."""
+
+    def __init__(self, n: int, step: int, start: int) -> None:
+        self.n, self.step, self.pos = n, step, start
+
+    def __iter__(self) -> _Position:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.pos >= self.n:
+            raise StopIteration
+        self.pos += self.step
+        return {"i": self.pos - self.step, "noise": float(torch.rand(()))}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+class _PassesWithPosition(torch.utils.data.IterableDataset):
+    """Its state counts the passes begun; the position is its iterator's (``_Position``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.passes = n, 0
+
+    def __iter__(self) -> _Position:
+        self.passes += 1
+        info = get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return _Position(self.n, step, start)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"passes": self.passes}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.passes = state["passes"]
+
+
 def _node() -> Any:
     return Mapper(IterableWrapper(_Shard(25)), lambda i: {"i": i, "noise": torch.rand(2)})
 
@@ -140,6 +181,7 @@ BUILDS = {
     "read_ahead_replay": lambda: from_stateful(_ReadAhead(17), resume="replay"),
     "own_iterator": lambda: _OwnIterator(13),
     "own_iterator_replay": lambda: from_stateful(_OwnIterator(13), resume="replay"),
+    "stateful_iterator": lambda: _PassesWithPosition(13),
 }
 
 
@@ -341,21 +383,22 @@ def test_map_style_dataset_with_state_dict_is_served_as_map_style(shuffle):
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's
+@pytest.mark.parametrize("dataset", [_OwnIterator, _PassesWithPosition])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_its_own_iterator_resumes_as_torchdatas_stateful_loader_does(num_workers):
-    """Saved after 3 batches and restored into a new loader: the rest is the rest of an
-    uninterrupted run, which is also what torchdata's ``StatefulDataLoader`` resumes
-    (``iter()`` first, then ``load_state_dict``)."""
+def test_its_iterators_position_resumes_as_torchdatas_stateful_loader_does(num_workers, dataset):
+    """An object that is its own iterator, or whose iterator holds the position: saved
+    after 3 batches and restored into a new loader, the rest is the rest of an
+    uninterrupted run, which is also what torchdata's ``StatefulDataLoader`` resumes."""
     stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
     expected = []
     for loader_class in (stateful_dataloader.StatefulDataLoader, SavableDataLoader):
         options = {"batch_size": 2, "num_workers": num_workers}
-        first = loader_class(_OwnIterator(13), **options)
+        first = loader_class(dataset(13), **options)
         iterator = iter(first)
         head = [next(iterator)["i"].tolist() for _ in range(3)]
         state = first.state_dict()
         rest = [batch["i"].tolist() for batch in iterator]
-        second = loader_class(_OwnIterator(13), **options)
+        second = loader_class(dataset(13), **options)
         second.load_state_dict(state)
         assert [batch["i"].tolist() for batch in second] == rest, loader_class.__name__
         expected.append(head + rest)

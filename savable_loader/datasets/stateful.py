@@ -37,7 +37,10 @@ begun: the adapter calls ``iter(obj)`` first, then ``load_state_dict``, as torch
 ``state_dict()`` before the first ``iter()`` (such an object may only build its position
 there): an epoch not begun is saved as None, which restores as a plain ``iter(obj)``.
 Other objects (a Hugging Face dataset, whose ``__iter__`` returns a generator) load a
-state before ``iter()``, and their state at construction is where epoch 0 starts.
+state before ``iter()``, and their state at construction is where epoch 0 starts. When
+``iter(obj)`` is an object of its own with ``state_dict()`` and ``load_state_dict()``
+(the position lives there), the adapter saves its state beside the object's and loads it
+into the next ``iter(obj)``, as ``StatefulDataLoader`` does too.
 
 NOTE [ A torchdata Loader is refused ]
 ``torchdata.nodes.Loader`` wraps a root node for a training loop; it has ``state_dict()``
@@ -85,6 +88,11 @@ class _State(StageState):
     epoch: int = Field(ge=0)
     obj: Any
     consumed: int = Field(ge=0)
+    iterator: Any = Field(
+        default=None,
+        description="The state of iter(obj), when that is an object of its own with "
+        "state_dict() (NOTE [ Objects that are their own iterator ]); None otherwise.",
+    )
 
 
 class StatefulDataset(Stage[T]):
@@ -163,6 +171,8 @@ class _StatefulCursor(Cursor[T]):
         self._keys = (context.seed, context.rank, context.worker_id)
         self._generators: rng.OwnGenerators | None = None
         self._iterator: Iterator[T] | None = None
+        #: The state ``iter(obj)`` loads once made, when it is an object of its own.
+        self._resting_iterator: Any = None
         self._restart(stage.initial, epoch=0, load=False)
 
     def __next__(self) -> T:
@@ -179,12 +189,24 @@ class _StatefulCursor(Cursor[T]):
 
     def own_state(self) -> dict[str, Any]:
         live = self.stage.resume == "state" and self._iterator is not None
-        return {
+        state = {
             "resume": self.stage.resume,
             "epoch": self._epoch,
             "obj": self.obj.state_dict() if live else self._resting,
             "consumed": self._consumed if self.stage.resume == "replay" else 0,
         }
+        iterator = self._iterator_state() if live else self._resting_iterator
+        if iterator is not None:
+            state["iterator"] = iterator
+        return state
+
+    def _iterator_state(self) -> Any:
+        """The state of ``iter(obj)`` when it is a stateful object of its own, as
+        torchdata's ``StatefulDataLoader`` saves it too (None otherwise)."""
+        iterator = self._iterator
+        if iterator is self.obj or not is_stateful(iterator):
+            return None
+        return iterator.state_dict()  # type: ignore[union-attr]
 
     def restore_own(self, state: Any | None) -> None:
         """Returns to ``state`` (None: the object's state at construction, epoch 0).
@@ -203,10 +225,12 @@ class _StatefulCursor(Cursor[T]):
             )
         self._restart(state.obj, epoch=state.epoch)
         self._consumed = state.consumed
+        self._resting_iterator = copy.deepcopy(state.iterator)
 
     def _restart(self, obj_state: Any, *, epoch: int, load: bool = True) -> None:
         """Stands at ``obj_state``, not opened; ``load`` gives the object a copy to edit."""
         self._resting = copy.deepcopy(obj_state)
+        self._resting_iterator = None
         #: A state its own iterator loads once ``iter()`` began (NOTE [ Objects that are
         #: their own iterator ]).
         self._pending = None
@@ -217,15 +241,17 @@ class _StatefulCursor(Cursor[T]):
         self._epoch, self._consumed = epoch, 0
         self._iterator = self._generators = None
 
-    def _load(self, obj_state: Any) -> None:
+    def _load(self, obj_state: Any, *, into: Any = None) -> None:
+        """Loads ``obj_state`` into the object, or ``into`` its iterator."""
+        target = self.obj if into is None else into
         try:
-            if self.stage.node:
-                self.obj.reset(copy.deepcopy(obj_state))
+            if self.stage.node and into is None:
+                target.reset(copy.deepcopy(obj_state))
             else:
-                self.obj.load_state_dict(copy.deepcopy(obj_state))
+                target.load_state_dict(copy.deepcopy(obj_state))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise StateError(
-                f"from_stateful: {type(self.obj).__name__} refused the saved state "
+                f"from_stateful: {type(target).__name__} refused the saved state "
                 f"({type(error).__name__}: {error}); restore a state of the same pipeline"
             ) from error
 
@@ -241,6 +267,9 @@ class _StatefulCursor(Cursor[T]):
         if self._pending is not None:
             self._load(self._pending)
             self._pending = None
+        if self._resting_iterator is not None:
+            self._load(copy.deepcopy(self._resting_iterator), into=iterator)
+            self._resting_iterator = None
         self._iterator = iterator
         for read in range(self._consumed):
             if self._read(iterator) is _END:
