@@ -231,8 +231,8 @@ class _StatefulCursor(Cursor[T]):
         """Stands at ``obj_state``, not opened; ``load`` gives the object a copy to edit."""
         self._resting = copy.deepcopy(obj_state)
         self._resting_iterator = None
-        #: A state its own iterator loads once ``iter()`` began (NOTE [ Objects that are
-        #: their own iterator ]).
+        #: A state its own iterator loads once ``iter()`` began.
+        #: NOTE [ Objects that are their own iterator ]
         self._pending = None
         if load and self.stage.own_iterator:
             self._pending = copy.deepcopy(obj_state)
