@@ -138,7 +138,7 @@ class _BatchCursor(TransformCursor[Any]):
             return self.collate(next(self.parent))
         # A short batch means the parent's epoch ended while it filled (the parent then
         # stands at its next epoch).
-        batch = self.parent.take(self.size)
+        batch = self.parent.take_batch(self.size)
         if len(batch) < self.size:
             if not batch or self.drop_last:
                 raise StopIteration
@@ -166,7 +166,7 @@ class _BatchCursor(TransformCursor[Any]):
         if self.size is None:
             return self.parent.skip(n)
         wanted = n * self.size
-        passed = self.parent.skip(wanted)
+        passed = self.parent.skip_batches(n, self.size)
         if passed == wanted:
             return n
         # The parent's epoch ended during the skip and it stands at its next epoch.

@@ -33,6 +33,9 @@ The base class owns the public methods; a subclass fills in hooks.
   the epoch ended, and the cursor stands at the next one); batching reads through it, and
   a cursor that can read a run of items faster (a dataset's own iterator, an index
   array) overrides it.
+- ``take_batch(n)`` and ``skip_batches(batches, size)`` are what the loader's batching
+  reads and skips through: ``take`` and ``skip`` unless the stage reads a whole batch
+  at once (NOTE [ A batch read at once ] in ``indexed.py``).
 - ``end_epoch()`` drops the rest of the epoch and stands at the start of the next one;
   the default reads the rest, sources and most transforms do it without reading.
 - ``close()`` releases what the cursor and its parents hold open (files), through the
@@ -141,6 +144,16 @@ class Cursor(Iterator[T], abc.ABC):
     def take(self, n: int) -> list[T]:
         """Reads up to ``n`` items as ``next()`` would; fewer means the epoch ended."""
         return list(itertools.islice(self, n))
+
+    def take_batch(self, n: int) -> list[T]:
+        """Reads up to ``n`` items as one batch of the loader's; :meth:`take` unless the
+        stage reads a batch at once (NOTE [ A batch read at once ] in ``indexed.py``)."""
+        return self.take(n)
+
+    def skip_batches(self, batches: int, size: int) -> int:
+        """Passes up to ``batches`` batches of ``size`` items as :meth:`take_batch` reads
+        them, as :meth:`skip` passes items; returns the items passed."""
+        return self.skip(batches * size)
 
     def end_epoch(self) -> None:
         """Drops the rest of the epoch; the cursor then stands at the next one's start.

@@ -45,6 +45,20 @@ old ``done`` above it and the items each stream took past it, found by binary se
 a reshard costs what its answer holds, not the epoch's length; a worker finds its ``k``-th
 position among the open ones by binary search over ``done`` (``nth_remaining``).
 
+NOTE [ A batch read at once ]
+Torch's ``DataLoader`` reads a batch of a map-style dataset with one call of the
+dataset's ``__getitems__(indices)`` when it has one (Hugging Face's ``datasets.Dataset``
+has: a batch costs about what one row does), else with ``data[i]`` for each index. The
+loader's batching reads through ``take_batch``, and an :class:`IndexedCursor` whose
+items are ``data[i]`` answers it with one ``__getitems__`` call for the batch's indices,
+so the dataset sees torch's calls. A replay must make the same calls, since a
+``__getitems__`` may draw from the global generators otherwise than ``data[i]`` would:
+``skip_batches`` reads batch by batch through ``take_batch`` again, unless the items are
+declared deterministic (then it moves by arithmetic). Only the loader's own batching
+calls these; a stage between it and the source reads item by item, both ways. A
+``__getitems__`` must return one item per index (a list, as torch expects), or the
+loader raises :class:`~savable_loader.ConfigError`.
+
 A state names ``length`` whenever it is not ``n``. A state without it was saved where
 padding changes nothing (one rank, or ranks that divide ``n``), or before padding
 existed: restored on its own layout it continues as this version reads that layout
@@ -283,6 +297,46 @@ class IndexedCursor(Cursor[T]):
         if stop - pos < n:
             self.end_epoch()
         return items
+
+    def take_batch(self, n: int) -> list[T]:
+        """One ``__getitems__`` call for the batch (NOTE [ A batch read at once ])."""
+        getitems = self._getitems()
+        if getitems is None:
+            return self.take(n)
+        pos = self.pos
+        stop = min(pos + n, self.shard_length)
+        items: list[T] = []
+        if stop > pos:
+            indices = self._cached(pos, stop)
+            items = list(getitems(indices))
+            if len(items) != len(indices):
+                raise ConfigError(
+                    f"{type(self.stage.data).__name__}.__getitems__ returned {len(items)} "
+                    f"items for {len(indices)} indices; it must return one item per index"
+                )
+        self.pos = stop
+        if stop - pos < n:
+            self.end_epoch()
+        return items
+
+    def skip_batches(self, batches: int, size: int) -> int:
+        """Reads the batches again when they are read at once and may draw (NOTE [ A
+        batch read at once ])."""
+        if self._getitems() is None or self.stage.deterministic_items:
+            return self.skip(batches * size)
+        passed = 0
+        for _ in range(batches):
+            got = len(self.take_batch(size))
+            passed += got
+            if got < size:
+                break
+        return passed
+
+    def _getitems(self) -> Any:
+        """The dataset's ``__getitems__`` when this cursor's items are ``data[i]``."""
+        if type(self).item is not IndexedCursor.item:
+            return None
+        return getattr(self.stage.data, "__getitems__", None) or None
 
     def own_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"epoch": self.epoch, "pos": self.pos}

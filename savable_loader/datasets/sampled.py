@@ -229,7 +229,16 @@ class _SampledCursor(Cursor[Any]):
         data = self.stage.data
         if not self.stage.batched:
             return data[group]
-        return [data[index] for index in group]
+        getitems = getattr(data, "__getitems__", None)  # NOTE [ A batch read at once ]
+        if not getitems:
+            return [data[index] for index in group]
+        items = list(getitems(group))
+        if len(items) != len(group):
+            raise ConfigError(
+                f"{type(data).__name__}.__getitems__ returned {len(items)} items for "
+                f"{len(group)} indices; it must return one item per index"
+            )
+        return items
 
     def __next__(self) -> Any:
         if self.pos >= self._share():
