@@ -84,34 +84,9 @@ class _ReadAhead:
         self.pos = 0
 
 
-class _OwnIterator(torch.utils.data.IterableDataset):
-    """Its own iterator (NOTE [ Objects that are their own iterator ]): ``__iter__`` starts
-    a pass, creating the position ``state_dict()`` reads, and returns the object; each
-    item draws noise from torch's global generator."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self) -> _OwnIterator:
-        info = get_worker_info()
-        self.pos, self.step = (info.id, info.num_workers) if info is not None else (0, 1)
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        if self.pos >= self.n:
-            raise StopIteration
-        self.pos += self.step
-        return {"i": self.pos - self.step, "noise": float(torch.rand(()))}
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.pos = state["pos"]
-
-
 class _Position:
-    """An iterator that holds the position, with ``state_dict()`` of its own."""
+    """An iterator that holds the position, with ``state_dict()`` of its own; each item
+    draws noise from torch's global generator."""
 
     def __init__(self, n: int, step: int, start: int) -> None:
         self.n, self.step, self.pos = n, step, start
@@ -130,6 +105,19 @@ class _Position:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.pos = state["pos"]
+
+
+class _OwnIterator(_Position, torch.utils.data.IterableDataset):
+    """Its own iterator (NOTE [ Objects that are their own iterator ]): ``__iter__`` starts
+    a pass, creating the position ``state_dict()`` reads, and returns the object."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> _OwnIterator:
+        info = get_worker_info()
+        self.pos, self.step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return self
 
 
 class _PassesWithPosition(torch.utils.data.IterableDataset):
