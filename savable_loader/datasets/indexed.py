@@ -92,7 +92,7 @@ from .indexed_rest import check_length, parse_done, reshard_indexed
 from .permutation import KeyedPermutation
 from .stage import Stage
 
-__all__ = ["Even", "IndexedDataset"]
+__all__ = ["Even", "IndexedDataset", "read_batch"]
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -236,6 +236,26 @@ class IndexedDataset(Stage[T]):
         return len(self.data)
 
 
+def read_batch(data: Any, indices: list[Any]) -> list[Any]:
+    """The items at ``indices`` as torch's ``DataLoader`` reads a batch: one call of
+    ``data.__getitems__`` when it has one, else ``data[i]`` for each (NOTE [ A batch read
+    at once ]).
+
+    Raises:
+        ConfigError: ``__getitems__`` returned another number of items than indices.
+    """
+    getitems = getattr(data, "__getitems__", None)
+    if not getitems:
+        return [data[index] for index in indices]
+    items = list(getitems(indices))
+    if len(items) != len(indices):
+        raise ConfigError(
+            f"{type(data).__name__}.__getitems__ returned {len(items)} items for "
+            f"{len(indices)} indices; it must return one item per index"
+        )
+    return items
+
+
 class IndexedCursor(Cursor[T]):
     """Reads an :class:`IndexedDataset` for one rank and worker."""
 
@@ -300,20 +320,11 @@ class IndexedCursor(Cursor[T]):
 
     def take_batch(self, n: int) -> list[T]:
         """One ``__getitems__`` call for the batch (NOTE [ A batch read at once ])."""
-        getitems = self._getitems()
-        if getitems is None:
+        if self._getitems() is None:
             return self.take(n)
         pos = self.pos
         stop = min(pos + n, self.shard_length)
-        items: list[T] = []
-        if stop > pos:
-            indices = self._cached(pos, stop)
-            items = list(getitems(indices))
-            if len(items) != len(indices):
-                raise ConfigError(
-                    f"{type(self.stage.data).__name__}.__getitems__ returned {len(items)} "
-                    f"items for {len(indices)} indices; it must return one item per index"
-                )
+        items = read_batch(self.stage.data, self._cached(pos, stop)) if stop > pos else []
         self.pos = stop
         if stop - pos < n:
             self.end_epoch()

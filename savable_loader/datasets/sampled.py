@@ -47,6 +47,7 @@ from ..config import WorkerContext
 from ..errors import ConfigError, SavableLoaderError, StateError
 from ..state.names import qualified_name
 from .cursor import Cursor, StageState
+from .indexed import read_batch
 from .stage import Stage
 
 __all__ = ["EpochOrder", "SampledDataset"]
@@ -229,16 +230,7 @@ class _SampledCursor(Cursor[Any]):
         data = self.stage.data
         if not self.stage.batched:
             return data[group]
-        getitems = getattr(data, "__getitems__", None)  # NOTE [ A batch read at once ]
-        if not getitems:
-            return [data[index] for index in group]
-        items = list(getitems(group))
-        if len(items) != len(group):
-            raise ConfigError(
-                f"{type(data).__name__}.__getitems__ returned {len(items)} items for "
-                f"{len(group)} indices; it must return one item per index"
-            )
-        return items
+        return read_batch(data, group)
 
     def __next__(self) -> Any:
         if self.pos >= self._share():
