@@ -18,7 +18,9 @@ kept apart from the training loop's and swapped in around each event (NOTE [ Own
 generators ] in ``rng.py``), so draws the training loop makes from ``random``,
 ``numpy.random`` or torch between batches change nothing in the data stream, and a
 restore is exact without restoring the trainer's generators. A save captures the
-pipeline's state on the spot: there is no prefetch.
+pipeline's state on the spot: there is no prefetch. The state is read under the
+pipeline's generators too, as it is restored under them: a dataset whose ``state_dict()``
+holds ``torch.get_rng_state()`` saves the pipeline's generator, not the training loop's.
 
 NOTE [ Generators per epoch ]
 A worker's global generators (``random``, ``numpy.random``, torch) are seeded from
@@ -324,7 +326,7 @@ class PipelineRuntime:
         """
         replay = self._replay_target - self.seq
         if replay <= 0:
-            return self.root.state()
+            return self._state()
         began = time.perf_counter()
         with self._scope():
             passed = self.root.skip(replay)
@@ -346,7 +348,7 @@ class PipelineRuntime:
             (time.perf_counter() - began) * 1e3,
         )
         self.ring.take(self._capture)
-        return self.root.state()
+        return self._state()
 
     def _run(self, *, placeholder: bool) -> Iterator[Event]:
         progress = self.progress
@@ -441,7 +443,12 @@ class PipelineRuntime:
                 snapshot = seeded.snapshot
             else:
                 self._seeded = None
-        return Entry(self.seq, plain_copy(self.root.state()), snapshot)
+        return Entry(self.seq, plain_copy(self._state()), snapshot)
+
+    def _state(self) -> Any:
+        """The tree's state, read under the pipeline's generators (NOTE [ No workers ])."""
+        with self._scope():
+            return self.root.state()
 
     @staticmethod
     def _checkpoint(entry: Entry) -> Checkpoint:

@@ -17,7 +17,8 @@ first.
 
 NOTE [ Datasets without a position ]
 A plain ``IterableDataset`` (no ``save_state``/``restore_state``, no ``state_dict``/
-``load_state_dict``) is read as torch's ``DataLoader`` reads it: ``iter(dataset)`` every
+``load_state_dict``, nor an iterator with them: NOTE [ A position kept by the iterator ]
+in ``stateful.py``) is read as torch's ``DataLoader`` reads it: ``iter(dataset)`` every
 epoch, in each worker over that worker's copy (so sharding with ``get_worker_info()``
 works), batched in the worker. Its cursor's own state is None, so the workers'
 checkpoints keep working, but no position can be restored from it: the loader refuses
@@ -54,7 +55,7 @@ from .cursor import Cursor
 from .datapipes import is_datapipe, shard
 from .indexed import IndexedDataset
 from .stage import Stage
-from .stateful import StatefulDataset, is_stateful
+from .stateful import StatefulDataset, is_stateful, iterator_is_stateful
 
 __all__ = ["DatasetStage", "UnsavableStage", "as_stage", "is_savable"]
 
@@ -100,6 +101,8 @@ def as_stage(obj: Any, *, shuffle: bool | None = None, seed: int = 0) -> Stage[A
         return IndexedDataset(obj, shuffle=bool(shuffle), seed=seed)
     elif is_stateful(obj):
         stage = StatefulDataset(obj)
+    elif isinstance(obj, IterableDataset) and not is_datapipe(obj) and iterator_is_stateful(obj):
+        stage = StatefulDataset(obj)  # NOTE [ A position kept by the iterator ] in stateful.py
     elif isinstance(obj, IterableDataset):
         stage = UnsavableStage(obj)
     else:
@@ -232,7 +235,7 @@ class UnsavableStage(DatasetStage[T]):
             "position, so this loader can iterate it but not save or restore where it "
             "stands; make it savable: subclass savable_loader.SavableDataset and add "
             "save_state()/restore_state() (plain data: where its iteration stands), or give "
-            "it state_dict()/load_state_dict()"
+            "it, or the iterator its __iter__ returns, state_dict()/load_state_dict()"
         )
 
     def cursor(self, context: WorkerContext) -> Cursor[T]:

@@ -42,6 +42,20 @@ state before ``iter()``, and their state at construction is where epoch 0 starts
 (the position lives there), the adapter saves its state beside the object's and loads it
 into the next ``iter(obj)``, as ``StatefulDataLoader`` does too.
 
+NOTE [ A position kept by the iterator ]
+An ``IterableDataset`` may have no state itself and return from ``__iter__`` an iterator
+that has ``state_dict()`` and ``load_state_dict()``; torchdata's ``StatefulDataLoader``
+saves that iterator's state, and so does this adapter: the object's state is then None,
+and each epoch's ``iter(obj)`` gets the saved iterator state loaded into it. Only
+``iter()`` tells which kind a dataset is, and torch's ``DataLoader`` calls it in the
+workers, never in the main process, where a dataset may shard itself differently (no
+worker information) or edit its own attributes. So the loader asks once, where it is
+built, of a shallow copy: an ``__iter__`` that rebinds attributes (``self.x = ...``)
+leaves the dataset it was given as it was. A generator function, a class with
+``__next__`` and an ``__iter__`` that raises there are not asked or count as no state
+(the last raises again in the workers, where torch would raise it). A worker whose
+``iter(obj)`` returns an iterator without state after all raises ``ConfigError``.
+
 NOTE [ A torchdata Loader is refused ]
 ``torchdata.nodes.Loader`` wraps a root node for a training loop; it has ``state_dict()``
 and ``load_state_dict()`` but is not a position this adapter can restore. Reading its
@@ -63,6 +77,7 @@ chain it replays, which is exact for any object. A test pins both outcomes.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
@@ -73,8 +88,9 @@ from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from .cursor import Cursor, StageState
 from .stage import Stage
+from .stateful_values import decode, encode
 
-__all__ = ["StatefulDataset", "from_stateful", "is_stateful"]
+__all__ = ["StatefulDataset", "from_stateful", "is_stateful", "iterator_is_stateful"]
 
 T = TypeVar("T")
 Resume = Literal["auto", "state", "replay"]
@@ -102,7 +118,11 @@ class StatefulDataset(Stage[T]):
         obj: A Hugging Face ``datasets.IterableDataset``, a torchdata node
             (``torchdata.nodes.BaseNode``: ``state_dict()`` and ``reset(state)``; not a
             ``torchdata.nodes.Loader``, whose root node is what to pass) or any
-            iterable with ``state_dict()`` and ``load_state_dict()``. It shards itself
+            iterable with ``state_dict()`` and ``load_state_dict()``, or whose
+            ``__iter__`` returns an iterator that has them (NOTE [ A position kept by
+            the iterator ]); the values of those states are written as plain data
+            (NOTE [ Values of a Stateful object's state ] in ``stateful_values.py``).
+            It shards itself
             over workers, as with torch's ``DataLoader``; its cursor reads this object
             itself (NOTE [ A dataset is its own position ] in ``adapt.py``).
         resume: "state", "replay" or "auto" (NOTE [ Two resume modes ]).
@@ -131,10 +151,13 @@ class StatefulDataset(Stage[T]):
         self.obj: Any = obj
         self.node = _has_base(obj, "torchdata.nodes", "BaseNode")
         self.hf = _has_base(obj, "datasets.iterable_dataset", "IterableDataset")
-        loads = self.node or callable(getattr(obj, "load_state_dict", None))
-        if not (loads and callable(getattr(obj, "state_dict", None)) and isinstance(obj, Iterable)):
+        #: Whether the object saves a state of its own; if not, its iterator does
+        #: (NOTE [ A position kept by the iterator ]).
+        self.saves_obj = is_stateful(obj)
+        if not isinstance(obj, Iterable) or not (self.saves_obj or iterator_is_stateful(obj)):
             raise ConfigError(
-                f"{type(obj).__name__} is not an iterable with state_dict() and load_state_dict()"
+                f"{type(obj).__name__} is not an iterable with state_dict() and "
+                "load_state_dict(), nor is what its __iter__ returns"
             )
         if resume not in ("auto", "state", "replay"):
             raise ConfigError(f"resume must be 'auto', 'state' or 'replay', got {resume!r}")
@@ -145,7 +168,7 @@ class StatefulDataset(Stage[T]):
         self.own_iterator = not self.node and callable(getattr(type(obj), "__next__", None))
         #: The object's state at construction: where epoch 0 starts (None for a node,
         #: which starts from reset(), and for its own iterator, from iter()).
-        fresh = self.node or self.own_iterator
+        fresh = self.node or self.own_iterator or not self.saves_obj
         self.initial = None if fresh else copy.deepcopy(self.obj.state_dict())
 
     def config(self) -> dict[str, Any]:
@@ -183,21 +206,23 @@ class _StatefulCursor(Cursor[T]):
             return item  # type: ignore[no-any-return]
         if self.stage.node:
             self.obj.reset()
-        after = None if self.stage.own_iterator else self.obj.state_dict()
+        saves = self.stage.saves_obj and not self.stage.own_iterator
+        after = self.obj.state_dict() if saves else None
         self._restart(after, epoch=self._epoch + 1, load=False)
         raise StopIteration
 
     def own_state(self) -> dict[str, Any]:
         live = self.stage.resume == "state" and self._iterator is not None
+        saves = self.stage.saves_obj
         state = {
             "resume": self.stage.resume,
             "epoch": self._epoch,
-            "obj": self.obj.state_dict() if live else self._resting,
+            "obj": encode(self.obj.state_dict() if live and saves else self._resting),
             "consumed": self._consumed if self.stage.resume == "replay" else 0,
         }
         iterator = self._iterator_state() if live else self._resting_iterator
         if iterator is not None:
-            state["iterator"] = iterator
+            state["iterator"] = encode(iterator)
         return state
 
     def _iterator_state(self) -> Any:
@@ -223,9 +248,9 @@ class _StatefulCursor(Cursor[T]):
                 f"adapter resumes with {self.stage.resume!r}; build it with "
                 f"resume={state.resume!r}"
             )
-        self._restart(state.obj, epoch=state.epoch)
+        self._restart(decode(state.obj), epoch=state.epoch)
         self._consumed = state.consumed
-        self._resting_iterator = copy.deepcopy(state.iterator)
+        self._resting_iterator = decode(state.iterator)
 
     def _restart(self, obj_state: Any, *, epoch: int, load: bool = True) -> None:
         """Stands at ``obj_state``, not opened; ``load`` gives the object a copy to edit."""
@@ -236,7 +261,7 @@ class _StatefulCursor(Cursor[T]):
         self._pending = None
         if load and self.stage.own_iterator:
             self._pending = copy.deepcopy(obj_state)
-        elif load:
+        elif load and self.stage.saves_obj:
             self._load(obj_state)
         self._epoch, self._consumed = epoch, 0
         self._iterator = self._generators = None
@@ -245,7 +270,7 @@ class _StatefulCursor(Cursor[T]):
         """Loads ``obj_state`` into the object, or ``into`` its iterator."""
         target = self.obj if into is None else into
         try:
-            if self.stage.node and into is None:
+            if _has_base(target, "torchdata.nodes", "BaseNode"):
                 target.reset(copy.deepcopy(obj_state))
             else:
                 target.load_state_dict(copy.deepcopy(obj_state))
@@ -264,6 +289,13 @@ class _StatefulCursor(Cursor[T]):
             seed = rng.derive_seed(*self._keys, _STREAM_PURPOSE, self._epoch)
             self._generators = rng.OwnGenerators.seeded(seed)
         iterator: Iterator[T] = self._read(self.obj, first=True)
+        if not self.stage.saves_obj and not is_stateful(iterator):
+            raise ConfigError(
+                f"iter({type(self.obj).__name__}) returned a {type(iterator).__name__}, which "
+                "has no state_dict() and load_state_dict(), in a worker; it returned one "
+                "where the loader was built, so the loader saves the position of its "
+                "iterators (NOTE [ A position kept by the iterator ])"
+            )
         if self._pending is not None:
             self._load(self._pending)
             self._pending = None
@@ -300,6 +332,21 @@ def is_stateful(obj: Any) -> bool:
         callable(getattr(obj, "load_state_dict", None))
         or _has_base(obj, "torchdata.nodes", "BaseNode")
     )
+
+
+def iterator_is_stateful(obj: Any) -> bool:
+    """Whether ``iter(obj)`` is an object of its own that saves its position, asked of a
+    shallow copy of ``obj`` (NOTE [ A position kept by the iterator ])."""
+    kind = type(obj)
+    if callable(getattr(kind, "__next__", None)):
+        return False
+    if inspect.isgeneratorfunction(getattr(kind, "__iter__", None)):
+        return False
+    try:
+        iterator = iter(copy.copy(obj))
+    except Exception:  # the workers will raise it, as torch's would
+        return False
+    return is_stateful(iterator)
 
 
 def _has_base(obj: Any, module: str, name: str) -> bool:
