@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ._events import END
 from ._layout import Layout
-from ._runtime import WorkerStart
+from ._runtime_spec import WorkerStart
 from ._version import __version__
 from .errors import SavableLoaderError
 from .state.models import FORMAT_VERSION, Checkpoint, OrderState, RankState, WorkerState

@@ -54,7 +54,8 @@ import msgpack
 
 from ._events import END, ITEM
 from ._layout import Layout
-from ._runtime import PipelineRuntime, RuntimeSpec, WorkerStart, epoch_rng_state
+from ._runtime import PipelineRuntime
+from ._runtime_spec import RuntimeSpec, WorkerStart, epoch_rng_state
 from ._version import __version__
 from .config import WorkerContext
 from .datasets.adapt import DatasetStage

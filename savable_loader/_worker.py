@@ -40,7 +40,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import _torch_compat
 from ._commands import CommandServer, check_stacks_signal, register_stacks
 from ._events import IDLE, PRODUCING, STARTING, Event, Failure, Progress
-from ._runtime import PipelineRuntime, RuntimeSpec, WorkerStart
+from ._runtime import PipelineRuntime
+from ._runtime_spec import RuntimeSpec, WorkerStart
 from .errors import WorkerError
 
 __all__ = ["WorkerInit", "WorkerWrapper"]

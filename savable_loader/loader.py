@@ -22,7 +22,7 @@ from ._events import END, ERROR, PLACEHOLDER, Failure
 from ._iterator import LengthCheck, LoaderIterator
 from ._layout import Layout
 from ._pipeline import base_seed_generator, build_pipeline
-from ._runtime import RuntimeSpec
+from ._runtime_spec import RuntimeSpec
 from ._sampler_view import shown_arguments
 from ._stream import Hang, Stream
 from ._worker import WorkerWrapper
