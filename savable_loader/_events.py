@@ -20,7 +20,10 @@ Letting the exception escape instead would leave torch to re-raise a copy that n
 item, and would end the worker's iteration early, which the loader cannot tell apart
 from an end of epoch. The exception object itself never crosses processes (a user's
 exception type need not pickle); only its type's name and plain arguments do, and the
-runtime is marked failed so that no checkpoint is ever taken of the broken state.
+runtime is marked failed so that no checkpoint is ever taken of the broken state. A
+map-style read is the exception: its cursor already stands past the failed batch, so the
+worker goes on, and its ERROR event is counted like an item (NOTE [ Errors of a
+map-style read ] in ``_runtime.py``).
 
 NOTE [ Checkpoint faults ]
 A checkpoint runs the pipeline's ``save_state()`` (every stage's ``state()``) in the
@@ -102,6 +105,8 @@ class Failure:
         checkpoint: Raised while the worker took the checkpoint that follows event ``seq``
             (the pipeline's ``save_state()``): "item" after an item, "end" after the end
             of its epoch; None otherwise.
+        goes_on: The event is counted like an item and the stream goes on after it
+            (NOTE [ Errors of a map-style read ] in ``_runtime.py``).
     """
 
     worker_id: int
@@ -115,6 +120,7 @@ class Failure:
     error: BaseException | None = None
     in_init: bool = False
     checkpoint: Literal["item", "end"] | None = None
+    goes_on: bool = False
 
     @classmethod
     def of(
@@ -127,6 +133,7 @@ class Failure:
         in_main: bool,
         in_init: bool = False,
         checkpoint: Literal["item", "end"] | None = None,
+        goes_on: bool = False,
     ) -> Failure:
         kind = type(error)
         args = error.args if all(isinstance(a, _PLAIN_ARGS) for a in error.args) else (str(error),)
@@ -142,6 +149,7 @@ class Failure:
             error=error if in_main else None,
             in_init=in_init,
             checkpoint=checkpoint,
+            goes_on=goes_on,
         )
 
     def event(self) -> Event:
@@ -177,6 +185,11 @@ class Failure:
             "save_state_rank() saves this position and restore_state_rank() moves to a "
             "saved one."
         )
+        if self.goes_on:
+            then = (
+                "The batch is dropped and the loader goes on with the next one, as torch's "
+                "DataLoader does."
+            )
         message = (
             f"{self.type_name}: {self.message} (raised in {where} while {doing}, epoch "
             f"{epoch}). {then}"
@@ -184,6 +197,8 @@ class Failure:
         if self.error is None:
             message += f"\n\nTraceback in {where}:\n{self.text}"
         error: BaseException = DatasetError(message, worker_id=self.worker_id, index=self.seq)
+        if self.goes_on and not isinstance(original, SavableLoaderError):
+            error = as_original_type(original, message, self.worker_id, self.seq)
         if isinstance(original, SavableLoaderError):
             with contextlib.suppress(TypeError):  # a subclass with another constructor
                 error = type(original)(message)
@@ -233,6 +248,72 @@ class Failure:
             except Exception:  # a constructor with another signature
                 logger.debug("cannot rebuild %s%r", self.type_name, self.args)
         return RuntimeError(f"{self.type_name}: {self.message}")
+
+
+def as_original_type(
+    original: BaseException, message: str, worker_id: int, index: int
+) -> BaseException:
+    """A :class:`~savable_loader.DatasetError` that is also of ``original``'s type, as
+    torch re-raises a worker's exception with its own type (NOTE [ Errors of a map-style
+    read ] in ``_runtime.py``); a plain ``DatasetError`` when no such class can be built
+    (a layout conflict, a constructor that refuses one message) or for ``StopIteration``,
+    which would end the training loop's ``for`` without a word."""
+    kind = type(original)
+    if issubclass(kind, StopIteration | StopAsyncIteration):
+        return DatasetError(message, worker_id=worker_id, index=index)
+    try:
+        both = _both(kind)
+        error = both(_KeyErrorMessage(message) if issubclass(kind, KeyError) else message)
+    except Exception:  # any type torch could re-raise: ours stands in
+        logger.debug("cannot build a DatasetError of type %s", kind.__qualname__)
+        return DatasetError(message, worker_id=worker_id, index=index)
+    error.worker_id, error.index = worker_id, index
+    return error
+
+
+def _both(kind: type[BaseException]) -> type[DatasetError]:
+    """The class that is ``DatasetError`` and ``kind``, named as ``kind`` (one per type)."""
+    both = _BOTH.get(kind)
+    if both is not None:
+        return both
+    both = _BOTH[kind] = type(
+        kind.__name__,
+        (DatasetError, kind),
+        {
+            "__module__": kind.__module__,
+            "__qualname__": kind.__qualname__,
+            "__init__": _init_both,
+            "__reduce__": _reduce_both,
+            "__str__": _str_both,
+            "original_type": kind,
+        },
+    )
+    return both
+
+
+_BOTH: dict[type[BaseException], type[DatasetError]] = {}
+
+
+def _init_both(self: DatasetError, message: str) -> None:
+    BaseException.__init__(self, message)
+    self.worker_id = self.index = None
+
+
+def _str_both(self: DatasetError) -> str:
+    return str(self.args[0]) if self.args else ""
+
+
+def _reduce_both(self: DatasetError) -> tuple[Any, ...]:
+    kind = getattr(type(self), "original_type")  # noqa: B009 - set by _both
+    return _rebuild_both, (kind, str(self), self.worker_id, self.index)
+
+
+def _rebuild_both(
+    kind: type[BaseException], message: str, worker_id: int | None, index: int | None
+) -> BaseException:
+    error = _both(kind)(message)
+    error.worker_id, error.index = worker_id, index
+    return error
 
 
 class _KeyErrorMessage(str):

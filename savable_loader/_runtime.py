@@ -22,6 +22,23 @@ pipeline's state on the spot: there is no prefetch. The state is read under the
 pipeline's generators too, as it is restored under them: a dataset whose ``state_dict()``
 holds ``torch.get_rng_state()`` saves the pipeline's generator, not the training loop's.
 
+NOTE [ Errors of a map-style read ]
+Torch's ``DataLoader`` takes a batch's indices from the sampler before it reads them, so
+when ``dataset[i]`` (or ``__getitems__``, or ``collate_fn``) raises, the exception, of its
+own type, reaches the training loop and the next ``next()`` goes on with the next batch:
+a loop that catches the error and continues loses that batch and nothing else. A map-style
+dataset read by the loader (``IndexedDataset`` over ``data[i]``, or a sampler's batches,
+under the loader's batching) does the same: its cursor moves past a batch's indices
+before reading them (``Cursor.goes_on_after_error``), so when the read raises, the
+worker takes a checkpoint at once and sends an ERROR event that is counted like an item
+(``Failure.goes_on``); the loader hands it on as the exception, of the original type and
+also a ``DatasetError`` (``_events.py``), and keeps reading. A save after it restores
+after it, and because the worker checkpointed right after the failed batch, no replay
+ever reads that batch again: a restore up to it starts from a checkpoint before it and
+stops short of it, one past it starts from that checkpoint or a later one. Any other
+pipeline keeps the rule of NOTE [ Pipeline errors ] in ``_events.py``: its position stays
+before the item, which iterating again retries.
+
 NOTE [ Generators per epoch ]
 A worker's global generators (``random``, ``numpy.random``, torch) are seeded from
 ``(seed, rank, worker id, epoch)`` for every epoch: at start-up for epoch 0, and right
@@ -257,14 +274,17 @@ class PipelineRuntime:
         mark = time.perf_counter()
         while True:
             progress.enter(PRODUCING, self.seq)
+            failed: Exception | None = None
             try:
                 with self._scope():
                     item = next(self.root, _END)
             except Exception as error:
-                self.failed = True
-                progress.enter(IDLE, self.seq)
-                yield self.failure(error, starting=False)
-                return
+                if not self.root.goes_on_after_error():
+                    self.failed = True
+                    progress.enter(IDLE, self.seq)
+                    yield self.failure(error, starting=False)
+                    return
+                item, failed = None, error  # NOTE [ Errors of a map-style read ]
             now = time.perf_counter()
             # Worker time since the previous event: producing this one, plus torch
             # sending the previous one and waiting for this task.
@@ -277,6 +297,8 @@ class PipelineRuntime:
                 if item is _END:
                     self._seed_epoch(self._epoch + 1)
                     self.ring.take(self._capture)
+                elif failed is not None:
+                    self.ring.take(self._capture)  # no replay crosses a failed read
                 elif not self.in_main:
                     self.ring.maybe_take(elapsed, self._capture)
             except Exception as error:
@@ -295,6 +317,12 @@ class PipelineRuntime:
             if item is _END:
                 yield (self.worker_id, seq, END, None)
                 return
+            if failed is not None:
+                failure = Failure.of(
+                    failed, self.worker_id, seq, starting=False, in_main=self.in_main, goes_on=True
+                )
+                yield failure.event()
+                continue
             yield (self.worker_id, seq, ITEM, item)
 
     def _seed_epoch(self, epoch: int, *, starting: bool = False) -> None:

@@ -263,9 +263,13 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[T_co]):
                 raise
             if kind == PLACEHOLDER:
                 continue
-            if kind == ERROR:
+            if kind == ERROR and not payload.goes_on:
                 self._raise_failure(payload)
             self._book.hand_on(worker_id, seq, kind)
+            if kind == ERROR:  # NOTE [ Errors of a map-style read ] in _runtime.py
+                raise payload.raised(
+                    in_worker=self.num_workers > 0, epoch=self._book.epoch, lost=None
+                )
             if kind == END:
                 continue
             self._last_worker, self._retries = worker_id if self.num_workers else None, 2

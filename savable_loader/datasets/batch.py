@@ -145,6 +145,10 @@ class _BatchCursor(TransformCursor[Any]):
             self.exhausted = True
         return self.collate(batch)
 
+    def goes_on_after_error(self) -> bool:
+        """The parent's answer: a batch takes its items before it collates them."""
+        return self.parent.goes_on_after_error()
+
     def own_state(self) -> dict[str, Any]:
         return {"exhausted": self.exhausted}
 

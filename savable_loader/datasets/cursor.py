@@ -36,6 +36,10 @@ The base class owns the public methods; a subclass fills in hooks.
 - ``take_batch(n)`` and ``skip_batches(batches, size)`` are what the loader's batching
   reads and skips through: ``take`` and ``skip`` unless the stage reads a whole batch
   at once (NOTE [ A batch read at once ] in ``indexed.py``).
+- ``goes_on_after_error()`` says whether, when ``next()`` raised, the cursor already
+  stands past the failed item, so that reading can go on with the next one as torch's
+  ``DataLoader`` does (NOTE [ Errors of a map-style read ] in ``_runtime.py``). False by
+  default: a raise leaves the position where it was, and the loader retries the item.
 - ``end_epoch()`` drops the rest of the epoch and stands at the start of the next one;
   the default reads the rest, sources and most transforms do it without reading.
 - ``close()`` releases what the cursor and its parents hold open (files), through the
@@ -140,6 +144,11 @@ class Cursor(Iterator[T], abc.ABC):
         """Passes up to ``n`` items without producing them, as :meth:`skip` says; returns
         how many, or None to have the base class read them."""
         return None
+
+    def goes_on_after_error(self) -> bool:
+        """Whether a raise of ``next()`` leaves the cursor past the failed item, its state
+        a position to go on from (NOTE [ The cursor contract ])."""
+        return False
 
     def take(self, n: int) -> list[T]:
         """Reads up to ``n`` items as ``next()`` would; fewer means the epoch ended."""

@@ -312,8 +312,8 @@ class IndexedCursor(Cursor[T]):
     def take(self, n: int) -> list[T]:
         pos = self.pos
         stop = min(pos + n, self.shard_length)
+        self.pos = stop  # before the reads: NOTE [ Errors of a map-style read ]
         items = [self.item(index) for index in self._cached(pos, stop)]
-        self.pos = stop
         if stop - pos < n:
             self.end_epoch()
         return items
@@ -324,8 +324,8 @@ class IndexedCursor(Cursor[T]):
             return self.take(n)
         pos = self.pos
         stop = min(pos + n, self.shard_length)
-        items = read_batch(self.stage.data, self._cached(pos, stop)) if stop > pos else []
         self.pos = stop
+        items = read_batch(self.stage.data, self._cached(pos, stop)) if stop > pos else []
         if stop - pos < n:
             self.end_epoch()
         return items
@@ -342,6 +342,12 @@ class IndexedCursor(Cursor[T]):
             if got < size:
                 break
         return passed
+
+    def goes_on_after_error(self) -> bool:
+        """Reading ``data[i]`` of a map-style dataset moves past the indices first
+        (NOTE [ Errors of a map-style read ] in ``_runtime.py``); a source that reads
+        otherwise (``TableSource``) retries."""
+        return type(self).item is IndexedCursor.item
 
     def _getitems(self) -> Any:
         """The dataset's ``__getitems__`` when this cursor's items are ``data[i]``."""

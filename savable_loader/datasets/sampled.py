@@ -236,9 +236,11 @@ class _SampledCursor(Cursor[Any]):
         if self.pos >= self._share():
             self.end_epoch()
             raise StopIteration
-        item = self._read(self.pos)
-        self.pos += 1
-        return item
+        self.pos += 1  # before the read: NOTE [ Errors of a map-style read ] in _runtime.py
+        return self._read(self.pos - 1)
+
+    def goes_on_after_error(self) -> bool:
+        return True
 
     def own_state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "pos": self.pos}
