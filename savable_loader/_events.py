@@ -22,8 +22,8 @@ from an end of epoch. The exception object itself never crosses processes (a use
 exception type need not pickle); only its type's name and plain arguments do, and the
 runtime is marked failed so that no checkpoint is ever taken of the broken state. A
 map-style read is the exception: its cursor already stands past the failed batch, so the
-worker goes on, and its ERROR event is counted like an item (NOTE [ Errors of a
-map-style read ] in ``_runtime.py``).
+worker goes on, and its ERROR event is counted like an item
+(NOTE [ Going on after an error ] in ``_runtime.py``).
 
 NOTE [ Checkpoint faults ]
 A checkpoint runs the pipeline's ``save_state()`` (every stage's ``state()``) in the
@@ -106,7 +106,7 @@ class Failure:
             (the pipeline's ``save_state()``): "item" after an item, "end" after the end
             of its epoch; None otherwise.
         goes_on: The event is counted like an item and the stream goes on after it
-            (NOTE [ Errors of a map-style read ] in ``_runtime.py``).
+            (NOTE [ Going on after an error ] in ``_runtime.py``).
     """
 
     worker_id: int
@@ -254,10 +254,11 @@ def as_original_type(
     original: BaseException, message: str, worker_id: int, index: int
 ) -> BaseException:
     """A :class:`~savable_loader.DatasetError` that is also of ``original``'s type, as
-    torch re-raises a worker's exception with its own type (NOTE [ Errors of a map-style
-    read ] in ``_runtime.py``); a plain ``DatasetError`` when no such class can be built
-    (a layout conflict, a constructor that refuses one message) or for ``StopIteration``,
-    which would end the training loop's ``for`` without a word."""
+    torch re-raises a worker's exception with its own type
+    (NOTE [ Going on after an error ] in ``_runtime.py``); a plain ``DatasetError`` when
+    no such class can be built (a layout conflict, a constructor that refuses one
+    message) or for ``StopIteration``, which would end the training loop's ``for``
+    without a word."""
     kind = type(original)
     if issubclass(kind, StopIteration | StopAsyncIteration):
         return DatasetError(message, worker_id=worker_id, index=index)

@@ -23,8 +23,8 @@ the pipeline is raised as :class:`DatasetError` naming the worker and the item, 
 from the original exception (the object itself without workers; with workers a copy of
 its type, and the worker's traceback in the message, as torch does); the library's own
 errors (StateError, StorageError, ...) keep their type. An error of a map-style read
-stops nothing: it is handed on in its turn and the stream goes on (NOTE [ Errors of a
-map-style read ] in ``_runtime.py``).
+stops nothing: it is handed on in its turn and the stream goes on
+(NOTE [ Going on after an error ] in ``_runtime.py``).
 NOTE [ Workers that never started ]
 A worker can hang before any of the loader's code runs in it, in torch's start-up of the
 process: a CPython without the fix of python/cpython#112275 (3.11.7 here) can deadlock

@@ -22,7 +22,7 @@ pipeline's state on the spot: there is no prefetch. The state is read under the
 pipeline's generators too, as it is restored under them: a dataset whose ``state_dict()``
 holds ``torch.get_rng_state()`` saves the pipeline's generator, not the training loop's.
 
-NOTE [ Errors of a map-style read ]
+NOTE [ Going on after an error ]
 Torch's ``DataLoader`` takes a batch's indices from the sampler before it reads them, so
 when ``dataset[i]`` (or ``__getitems__``, or ``collate_fn``) raises, the exception, of its
 own type, reaches the training loop and the next ``next()`` goes on with the next batch:
@@ -35,9 +35,14 @@ worker takes a checkpoint at once and sends an ERROR event that is counted like 
 also a ``DatasetError`` (``_events.py``), and keeps reading. A save after it restores
 after it, and because the worker checkpointed right after the failed batch, no replay
 ever reads that batch again: a restore up to it starts from a checkpoint before it and
-stops short of it, one past it starts from that checkpoint or a later one. Any other
-pipeline keeps the rule of NOTE [ Pipeline errors ] in ``_events.py``: its position stays
-before the item, which iterating again retries.
+stops short of it, one past it starts from that checkpoint or a later one. A plain
+``IterableDataset`` (no position: NOTE [ Datasets without a position ] in
+``datasets/adapt.py``) goes on too, as torch's worker goes on with its iterator: a
+generator that raised is finished, so that worker's epoch ends; an ``__iter__`` that
+raised ends it as well, where torch's worker would fail on every later batch. A savable
+pipeline of any other kind keeps the rule of NOTE [ Pipeline errors ] in
+``_events.py``: its position stays before the item, which iterating again retries (the
+position it would go on from is the dataset's own, which the loader cannot vouch for).
 
 NOTE [ Generators per epoch ]
 A worker's global generators (``random``, ``numpy.random``, torch) are seeded from
@@ -284,7 +289,7 @@ class PipelineRuntime:
                     progress.enter(IDLE, self.seq)
                     yield self.failure(error, starting=False)
                     return
-                item, failed = None, error  # NOTE [ Errors of a map-style read ]
+                item, failed = None, error  # NOTE [ Going on after an error ]
             now = time.perf_counter()
             # Worker time since the previous event: producing this one, plus torch
             # sending the previous one and waiting for this task.

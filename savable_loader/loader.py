@@ -266,7 +266,7 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[T_co]):
             if kind == ERROR and not payload.goes_on:
                 self._raise_failure(payload)
             self._book.hand_on(worker_id, seq, kind)
-            if kind == ERROR:  # NOTE [ Errors of a map-style read ] in _runtime.py
+            if kind == ERROR:  # NOTE [ Going on after an error ] in _runtime.py
                 raise payload.raised(
                     in_worker=self.num_workers > 0, epoch=self._book.epoch, lost=None
                 )

@@ -1,5 +1,6 @@
-"""An error of a map-style read goes on as torch's DataLoader goes on (NOTE [ Errors of a
-map-style read ] in ``_runtime.py``): the exception keeps its type, the batch is dropped,
+"""An error of a map-style read goes on as torch's DataLoader goes on
+(NOTE [ Going on after an error ] in ``_runtime.py``): the exception keeps its type, the
+batch is dropped,
 the next ``next()`` reads the next batch, and a save anywhere, just after an error
 included, resumes exactly."""
 
@@ -11,7 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    get_worker_info,
+)
 
 from savable_loader import DatasetError, SavableDataLoader, SavableDataset, WorkerConfig
 
@@ -225,3 +233,51 @@ def test_an_iterable_pipeline_still_retries_the_item_with_our_error():
             with pytest.raises(DatasetError, match="iterating again retries it") as caught:
                 next(iterator)
             assert not isinstance(caught.value, OSError)
+
+
+class _Generated(IterableDataset):
+    """A plain iterable (no position): each worker's generator raises at its fourth item."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        for i in range(6):
+            if i == 3:
+                raise ValueError(f"bad item in worker {worker}")
+            yield worker * 100 + i
+
+
+class _RaisesInIter(IterableDataset):
+    def __iter__(self):
+        raise RuntimeError("Error in __iter__")
+
+
+def _iterable_outcomes(loader: Any) -> list[Any]:
+    iterator, outcomes = iter(loader), []
+    while True:
+        try:
+            outcomes.append(next(iterator).tolist())
+        except StopIteration:
+            return outcomes
+        except (ValueError, RuntimeError) as error:
+            outcomes.append(type(error).__name__)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_plain_iterables_error_ends_that_workers_epoch_as_with_torch(num_workers):
+    """Its generator is finished once it raised: torch's worker then ends its iteration,
+    and so does the loader's, after handing on the error with its own type."""
+    options = {"batch_size": 2, "num_workers": num_workers}
+    want = _iterable_outcomes(DataLoader(_Generated(), **options))
+    with SavableDataLoader(_Generated(), **options) as loader:
+        assert _iterable_outcomes(loader) == want
+        assert _iterable_outcomes(loader) == want  # and the next epoch begins anew
+    assert want.count("ValueError") == max(num_workers, 1)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iter_that_raises_is_met_once_per_worker_then_the_epoch_ends(num_workers):
+    with SavableDataLoader(_RaisesInIter(), batch_size=2, num_workers=num_workers) as loader:
+        assert _iterable_outcomes(loader) == ["RuntimeError"] * max(num_workers, 1)
+        with pytest.raises(RuntimeError, match="Error in __iter__"):
+            list(loader)

@@ -23,9 +23,9 @@ epoch, in each worker over that worker's copy (so sharding with ``get_worker_inf
 works), batched in the worker. Its cursor's own state is None, so the workers'
 checkpoints keep working, but no position can be restored from it: the loader refuses
 to save (``Stage.not_savable``, raised by the loader as ``UnsavableDatasetError`` naming
-the dataset and what to add) and, after an error, restarts nothing but says that it lost
-its position. Switching a ``DataLoader`` to ``SavableDataLoader`` therefore works before
-the dataset is made savable.
+the dataset and what to add), and after an error it goes on as torch's does
+(NOTE [ Going on after an error ] in ``_runtime.py``). Switching a ``DataLoader`` to
+``SavableDataLoader`` therefore works before the dataset is made savable.
 
 NOTE [ A dataset's skip ]
 A ``SavableDataset`` may define ``skip(n)`` to pass ``n`` items faster than reading them
@@ -175,22 +175,24 @@ class _DatasetCursor(Cursor[T]):
         return type(self.dataset).__name__
 
     def __next__(self) -> T:
-        if self._items is None:
-            self._items = iter(self.dataset)
+        items = self._items if self._items is not None else self._begin()
         try:
-            return next(self._items)
+            return next(items)
         except StopIteration:
             self._items = None
             raise
 
     def take(self, n: int) -> list[T]:
-        items = self._items
-        if items is None:
-            items = self._items = iter(self.dataset)
+        items = self._items if self._items is not None else self._begin()
         taken = list(itertools.islice(items, n))
         if len(taken) < n:
             self._items = None  # the dataset's iteration ended: its next one is the next epoch
         return taken
+
+    def _begin(self) -> Iterator[T]:
+        """Begins the dataset's iteration of this epoch."""
+        self._items = iter(self.dataset)
+        return self._items
 
     def own_state(self) -> Any:
         return self.dataset.save_state()
@@ -249,6 +251,21 @@ class _UnsavableCursor(_DatasetCursor[T]):
         super().__init__(dataset, context)
         if is_datapipe(dataset):
             shard(dataset, context)
+
+    def goes_on_after_error(self) -> bool:
+        """As torch's worker goes on with its iterator after an error: a generator that
+        raised is finished, so this worker's epoch ends; nothing here has a position to
+        keep (NOTE [ Going on after an error ] in ``_runtime.py``)."""
+        return True
+
+    def _begin(self) -> Iterator[T]:
+        """An ``__iter__`` that raises ends this worker's epoch, as in torch (its worker
+        made no fetcher), rather than raising again at every batch."""
+        try:
+            return super()._begin()
+        except Exception:
+            self._items = iter(())
+            raise
 
     def own_state(self) -> Any:
         return None

@@ -38,7 +38,7 @@ The base class owns the public methods; a subclass fills in hooks.
   at once (NOTE [ A batch read at once ] in ``indexed.py``).
 - ``goes_on_after_error()`` says whether, when ``next()`` raised, the cursor already
   stands past the failed item, so that reading can go on with the next one as torch's
-  ``DataLoader`` does (NOTE [ Errors of a map-style read ] in ``_runtime.py``). False by
+  ``DataLoader`` does (NOTE [ Going on after an error ] in ``_runtime.py``). False by
   default: a raise leaves the position where it was, and the loader retries the item.
 - ``end_epoch()`` drops the rest of the epoch and stands at the start of the next one;
   the default reads the rest, sources and most transforms do it without reading.

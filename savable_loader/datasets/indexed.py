@@ -312,7 +312,7 @@ class IndexedCursor(Cursor[T]):
     def take(self, n: int) -> list[T]:
         pos = self.pos
         stop = min(pos + n, self.shard_length)
-        self.pos = stop  # before the reads: NOTE [ Errors of a map-style read ]
+        self.pos = stop  # before the reads: NOTE [ Going on after an error ]
         items = [self.item(index) for index in self._cached(pos, stop)]
         if stop - pos < n:
             self.end_epoch()
@@ -345,7 +345,7 @@ class IndexedCursor(Cursor[T]):
 
     def goes_on_after_error(self) -> bool:
         """Reading ``data[i]`` of a map-style dataset moves past the indices first
-        (NOTE [ Errors of a map-style read ] in ``_runtime.py``); a source that reads
+        (NOTE [ Going on after an error ] in ``_runtime.py``); a source that reads
         otherwise (``TableSource``) retries."""
         return type(self).item is IndexedCursor.item
 

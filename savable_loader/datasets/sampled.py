@@ -236,7 +236,7 @@ class _SampledCursor(Cursor[Any]):
         if self.pos >= self._share():
             self.end_epoch()
             raise StopIteration
-        self.pos += 1  # before the read: NOTE [ Errors of a map-style read ] in _runtime.py
+        self.pos += 1  # before the read: NOTE [ Going on after an error ] in _runtime.py
         return self._read(self.pos - 1)
 
     def goes_on_after_error(self) -> bool:
