@@ -151,6 +151,9 @@ def test_what_cannot_be_written_is_refused_with_a_message(value):
         ({TAG: "tuple", "items": "ab"}, "'items' as list"),
         ({TAG: "tensor"}, "'dtype' as str"),
         ({TAG: ["a"]}, "unknown kind"),
+        ({TAG: "ndarray", "dtype": "<f4", "shape": [2**62, 0], "data": b""}, "cannot be built"),
+        ({TAG: "ndarray", "dtype": "<f4", "shape": [0] * 65, "data": b""}, "bad shape"),
+        ({TAG: "tensor", "dtype": "int8", "shape": [2**62, 2**62], "data": b""}, "needs"),
     ],
 )
 def test_a_crafted_tag_is_a_state_error(crafted, message):

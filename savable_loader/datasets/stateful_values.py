@@ -113,12 +113,17 @@ def _decode_tensor(value: dict[str, Any]) -> torch.Tensor:
     size = math.prod(shape) * dtype.itemsize
     if len(data) != size:
         raise StateError(
-            f"from_stateful: a saved {name} tensor of shape {shape} needs {size} bytes, "
+            f"from_stateful: a saved {name} tensor of shape {shape!r:.60} needs {size} bytes, "
             f"the state holds {len(data)}"
         )
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    try:
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    except (RuntimeError, ValueError) as error:  # dimensions torch refuses
+        raise StateError(
+            f"from_stateful: a saved {name} tensor cannot be built: {error}"
+        ) from error
 
 
 def _encode_array(array: np.ndarray[Any, Any] | np.generic) -> dict[str, Any]:
@@ -145,10 +150,13 @@ def _decode_array(value: dict[str, Any]) -> Any:
     data = _field(value, "data", bytes)
     if len(data) != math.prod(shape) * dtype.itemsize:
         raise StateError(
-            f"from_stateful: a saved {text} array of shape {shape} does not match its "
+            f"from_stateful: a saved {text} array of shape {shape!r:.60} does not match its "
             f"{len(data)} bytes"
         )
-    array = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+    try:
+        array = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+    except ValueError as error:  # dimensions NumPy refuses
+        raise StateError(f"from_stateful: a saved {text} array cannot be built: {error}") from error
     return array[()] if value[TAG] == "numpy" else array
 
 
