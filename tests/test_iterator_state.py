@@ -12,7 +12,13 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from savable_loader import SavableDataLoader, WorkerConfig
 from savable_loader.datasets import StatefulDataset
-from savable_loader.errors import ConfigError, SavableLoaderError, UnsavableDatasetError
+from savable_loader.errors import (
+    ConfigError,
+    SavableLoaderError,
+    StateError,
+    UnsavableDatasetError,
+)
+from savable_loader.state import RankState
 from savable_loader.testing import assert_resumes_exactly
 
 
@@ -155,3 +161,19 @@ def test_an_iterator_without_a_state_in_a_worker_is_a_clear_error():
 def test_from_stateful_refuses_an_object_without_either_state():
     with pytest.raises(ConfigError, match="nor is what its __iter__ returns"):
         StatefulDataset(_Generated())
+
+
+def test_a_state_holding_an_objects_state_is_refused_for_one_without():
+    with _loader(_Sized([3]), 0) as loader:
+        next(iter(loader))
+        state = loader.save_state_rank().to_plain()
+    stage = state["workers"][0]["checkpoint"]["state"]
+    while "parent" in stage:
+        stage = stage["parent"]
+    assert stage["obj"] is None
+    assert stage["iterator"]["pos"] == 3
+    stage["obj"] = {"pos": 0}
+    with _loader(_Sized([3]), 0) as loader:
+        loader.restore_state_rank(RankState.from_plain(state))
+        with pytest.raises(StateError, match="saves no state"):
+            next(iter(loader))  # the pipeline restores as the stream starts

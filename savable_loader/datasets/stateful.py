@@ -248,6 +248,11 @@ class _StatefulCursor(Cursor[T]):
                 f"adapter resumes with {self.stage.resume!r}; build it with "
                 f"resume={state.resume!r}"
             )
+        if state.obj is not None and not self.stage.saves_obj:
+            raise StateError(
+                f"from_stateful: {type(self.obj).__name__} saves no state of its own (its "
+                "iterator does), but the state holds one; restore a state of this pipeline"
+            )
         self._restart(decode(state.obj), epoch=state.epoch)
         self._consumed = state.consumed
         self._resting_iterator = decode(state.iterator)
