@@ -145,34 +145,20 @@ def _outcomes(iterator: Any, steps: int) -> list[Any]:
 
 #: Sparse checkpoints: a restore replays many batches, across errors when it could.
 SPARSE = WorkerConfig(checkpoint_share=0.01)
+SHUFFLED = {"batch_size": 3, "shuffle": True}
 BUILDS = {
-    "indexed": lambda w: SavableDataLoader(
-        _FailsOn(23, {2, 9, 10, 17}),
-        batch_size=3,
-        shuffle=True,
-        num_workers=w,
-        worker_config=SPARSE,
-    ),
-    "getitems": lambda w: SavableDataLoader(
-        _FailsOnAtOnce(23, {2, 9, 17}),
-        batch_size=3,
-        shuffle=True,
-        num_workers=w,
-        worker_config=SPARSE,
-    ),
-    "sampler": lambda w: SavableDataLoader(
+    "indexed": lambda: (_FailsOn(23, {2, 9, 10, 17}), SHUFFLED),
+    "getitems": lambda: (_FailsOnAtOnce(23, {2, 9, 17}), SHUFFLED),
+    "sampler": lambda: (
         _FailsOn(23, {2, 9, 17}),
-        batch_size=3,
-        sampler=RandomSampler(range(23), generator=torch.Generator().manual_seed(5)),
-        num_workers=w,
-        worker_config=SPARSE,
+        {
+            "batch_size": 3,
+            "sampler": RandomSampler(range(23), generator=torch.Generator().manual_seed(5)),
+        },
     ),
-    "collate": lambda w: SavableDataLoader(
+    "collate": lambda: (
         _FailsOn(23, {9}),
-        batch_size=2,
-        collate_fn=_collate_refusing_odd_sums,
-        num_workers=w,
-        worker_config=SPARSE,
+        {"batch_size": 2, "collate_fn": _collate_refusing_odd_sums},
     ),
 }
 
@@ -184,7 +170,8 @@ def test_a_save_anywhere_resumes_exactly_errors_included(build, num_workers):
     included) restored into a new loader: the rest, errors and all, is the same."""
 
     def loader() -> SavableDataLoader[Any]:
-        return BUILDS[build](num_workers)
+        dataset, options = BUILDS[build]()
+        return SavableDataLoader(dataset, num_workers=num_workers, worker_config=SPARSE, **options)
 
     with loader() as reference:
         steps = len(reference) + 1
