@@ -50,6 +50,9 @@ class Pipeline:
         dataset: The loader's ``dataset`` argument.
         collate_fn: What ``loader.collate_fn`` shows when built: the ``collate_fn``
             argument, else torch's default for the batching, as torch shows it.
+        sampler: What ``loader.sampler`` shows: the ``sampler`` argument, or the one
+            torch's ``DataLoader`` builds over these arguments.
+        batch_sampler: What ``loader.batch_sampler`` shows, likewise.
     """
 
     source: Stage[Any]
@@ -57,6 +60,8 @@ class Pipeline:
     planner: EpochPlanner | None
     dataset: Any
     collate_fn: Callable[[Any], Any]
+    sampler: Any
+    batch_sampler: Any
 
     def use_collate(self, collate_fn: Any, layout: Layout, *, running: bool) -> Layout:
         """Makes ``root`` batch with ``collate_fn`` from the next start of the workers and
@@ -196,7 +201,7 @@ def build_pipeline(
             planner = EpochPlanner(
                 None, generator, batched=False, draws_every_epoch=draws_every_epoch
             )
-        return Pipeline(source, root, planner, dataset, shown)
+        return Pipeline(source, root, planner, dataset, shown, probe.sampler, probe.batch_sampler)
     batched = probe.batch_sampler is not None
     index_sampler = probe.batch_sampler if batched else probe.sampler
     planner = EpochPlanner(
@@ -206,7 +211,7 @@ def build_pipeline(
         dataset, order=planner.order, batched=batched, sampler=_describe(index_sampler)
     )
     root = Batch(sampled, batch_size=None, collate_fn=shown)
-    return Pipeline(sampled, root, planner, dataset, shown)
+    return Pipeline(sampled, root, planner, dataset, shown, probe.sampler, probe.batch_sampler)
 
 
 def _describe(index_sampler: Any) -> QualName:

@@ -185,10 +185,15 @@ class Stream:
         """Torch's iterator, waiting at most a poll interval per try (NOTE [ Watchdog ]),
         handing on the wrapper's events as they are and starting workers with the loader's
         ``WorkerInit`` (NOTE [ What the loader shows of its arguments ] in
-        ``_sampler_view.py``)."""
+        ``_shown.py``)."""
         shown = self.loader.__dict__
-        users = {name: shown[name] for name in ("collate_fn", "worker_init_fn")}
-        shown.update(collate_fn=_identity, worker_init_fn=WorkerInit(users["worker_init_fn"]))
+        for_torch = {
+            **shown["_for_torch"],
+            "collate_fn": _identity,
+            "worker_init_fn": WorkerInit(shown["worker_init_fn"]),
+        }
+        users = {name: shown[name] for name in for_torch}
+        shown.update(for_torch)
         try:
             return self._build_torch_iterator(first=first)
         finally:

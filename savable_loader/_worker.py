@@ -55,11 +55,11 @@ class WorkerWrapper(IterableDataset[Event]):
     The loader sets :attr:`spec` before torch starts the workers, so every start method
     carries it (and the command pipes) into the worker.
 
-    It is also what ``loader.dataset`` is (torch's iterators read that attribute), so it
-    answers for the user's dataset where torch's ``DataLoader`` would show it: ``len()``
-    is the user's dataset's (``len(loader.dataset)``, the PyTorch examples' sample count;
-    a ``TypeError`` for a dataset without one, as with torch), and an attribute the
-    wrapper does not have is read from the user's dataset (``loader.dataset.classes``).
+    It is what torch's iterators read as ``loader.dataset`` while they are built (NOTE
+    [ What the loader shows of its arguments ] in ``_shown.py``), and it answers for the
+    user's dataset there: ``len()`` is the user's dataset's (a ``TypeError`` for a dataset
+    without one, as with torch), and an attribute the wrapper does not have is read from
+    the user's dataset.
     """
 
     def __init__(self, spec: RuntimeSpec) -> None:

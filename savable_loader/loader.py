@@ -23,7 +23,7 @@ from ._iterator import LengthCheck, LoaderIterator
 from ._layout import Layout
 from ._pipeline import base_seed_generator, build_pipeline
 from ._runtime_spec import RuntimeSpec
-from ._sampler_view import shown_arguments
+from ._shown import shown_arguments, torch_arguments
 from ._stream import Hang, Stream
 from ._worker import WorkerWrapper
 from .config import WorkerConfig
@@ -57,8 +57,8 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[T_co]):
             ``seed`` (from ``generator`` as torch does, when one is given).
         sampler: As in ``DataLoader`` (map-style datasets): drawn in the main process each
             epoch, saved as the generators it draws from (NOTE [ Epoch orders ]).
-        batch_sampler: As in ``DataLoader``, likewise. ``loader.sampler`` shows either; see
-            NOTE [ What the loader shows of its arguments ] in ``_sampler_view.py``.
+        batch_sampler: As in ``DataLoader``, likewise. The loader's attributes show them as
+            torch's do (NOTE [ What the loader shows of its arguments ] in ``_shown.py``).
         num_workers: Worker processes; 0 runs the pipeline in the main process.
         collate_fn: Merges items into a batch (default: torch's ``default_collate``).
         pin_memory: As in ``DataLoader``.
@@ -157,17 +157,20 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             **_torch_compat.in_order_argument(),
         )
-        for name, value in shown_arguments(  # NOTE [ What the loader shows of its arguments ]
-            self._planner,
-            sampler,
+        #: What torch's iterators read (NOTE [ What the loader shows of its arguments ]).
+        self._for_torch = torch_arguments(self)
+        self._own_generator = self._for_torch["generator"]
+        shown = shown_arguments(
+            pipeline,
             batch_sampler,
             batch_size,
             drop_last,
             in_order,
-            pipeline.collate_fn,
-        ).items():
+            generator,
+            bool(persistent_workers),
+        )
+        for name, value in shown.items():
             object.__setattr__(self, name, value)
-        self._own_generator = self.generator
         #: What a state is checked against and resharded for (``_compat.py``).
         self.layout = Layout(root, seed, self.rank, self.world_size, num_workers)
         self.fingerprint = self.layout.fingerprint
@@ -217,14 +220,15 @@ class SavableDataLoader(distributed.GlobalStates, DataLoader[T_co]):
 
     def _draw_epoch(self) -> None:
         """Makes the current epoch's draws in the main process, once (NOTE [ Epoch orders ])."""
-        planner, self.generator = self._planner, self._own_generator
+        planner, generator = self._planner, self._own_generator
         if is_datapipe(pipe := self._pipeline.dataset):  # NOTE [ DataPipes ]
             seed_epoch(pipe, self.seed, self._book.epoch)
         if planner is not None:
             if planner.needs_draw(self._book.epoch):
                 self._spec.fresh_seeds = planner.draw(self._book.epoch) is not None
             # Torch draws the same base seed from a copy of the generator before the draw.
-            self.generator = planner.generator_before() or self.generator
+            generator = planner.generator_before() or generator
+        self._for_torch["generator"] = generator
 
     def _next(self) -> Any:
         while True:

@@ -1,7 +1,8 @@
-"""What a training script reads from the loader: ``loader.sampler`` is the sampler it
-passed (``set_epoch``, attributes, ``len``), while torch's iterator underneath still reads
-an endless placeholder; and what stays torch's is where ``docs/how-to/migrate.md`` says
-(NOTE [ What the loader shows of its arguments ] in ``savable_loader/_sampler_view.py``).
+"""What a training script reads from the loader is what torch's ``DataLoader`` shows:
+``loader.sampler`` and ``loader.batch_sampler`` are the ones it passed (or torch built),
+``loader.dataset`` its dataset, while torch's iterator underneath still reads the worker
+wrapper and an endless placeholder (NOTE [ What the loader shows of its arguments ] in
+``savable_loader/_shown.py``).
 """
 
 from __future__ import annotations
@@ -171,17 +172,18 @@ def test_loader_sampler_reads_as_torchs(case: str) -> None:
         assert read(ours.sampler) == read(torchs.sampler)
 
 
-def test_a_batch_samplers_sampler_gets_set_epoch_through_loader_sampler() -> None:
-    """``loader.batch_sampler`` stays None (torch would batch the wrapper's events): the
-    sampler inside the batch sampler is reached through ``loader.sampler``."""
+def test_a_batch_samplers_sampler_gets_set_epoch_through_loader_batch_sampler() -> None:
+    """``loader.batch_sampler`` is the one passed, as with torch (whose iterator
+    underneath reads none), and ``loader.sampler`` the sampler torch builds beside it."""
     dataset = Numbers()
     torchs = DataLoader(dataset, batch_sampler=BatchSampler(_distributed(dataset), 4, False))
     expected = _epochs(torchs, _through_batch_sampler)
     batch_sampler = BatchSampler(_distributed(dataset), 4, False)
     with SavableDataLoader(dataset, batch_sampler=batch_sampler, num_workers=2) as ours:
-        assert ours.batch_sampler is None
-        assert ours.sampler.num_replicas == 2
-        assert _epochs(ours, _through_loader) == expected
+        assert ours.batch_sampler is batch_sampler
+        assert type(ours.sampler) is type(torchs.sampler)
+        assert ours.batch_size is None
+        assert _epochs(ours, _through_batch_sampler) == expected
 
 
 def test_a_batch_sampler_without_a_sampler_gets_set_epoch_itself() -> None:
@@ -190,14 +192,18 @@ def test_a_batch_sampler_without_a_sampler_gets_set_epoch_itself() -> None:
     assert expected[0] != expected[1]
     batch_sampler = EpochBuckets(23)
     with SavableDataLoader(Numbers(), batch_sampler=batch_sampler) as ours:
-        assert len(ours.sampler) == len(batch_sampler)
-        assert _epochs(ours, _through_loader) == expected
+        assert ours.batch_sampler is batch_sampler
+        assert (
+            _epochs(ours, lambda loader, epoch: loader.batch_sampler.set_epoch(epoch)) == expected
+        )
     assert batch_sampler.epoch == EPOCHS - 1
 
 
 def test_writes_reach_the_sampler() -> None:
     sampler = _distributed(Numbers())
     with SavableDataLoader(Numbers(), sampler=sampler) as loader:
+        assert loader.sampler is sampler
+        assert isinstance(loader.sampler, DistributedSampler)
         loader.sampler.epoch = 4
     assert sampler.epoch == 4
 
@@ -269,18 +275,25 @@ def test_the_view_copies_and_pickles() -> None:
         assert next(iter(copy.deepcopy(loader.sampler))) is None
 
 
-def test_what_stays_torchs_is_where_migrate_says() -> None:
-    """``persistent_workers`` reads True with workers (torch's persistent iterator runs
-    underneath) while False still restarts the workers every epoch; ``dataset`` is the
-    worker wrapper and the user's dataset is ``loader.source.data``."""
+def test_persistent_workers_and_the_dataset_read_as_passed() -> None:
+    """``persistent_workers`` reads False as passed (torch's persistent iterator runs
+    underneath) and the workers restart every epoch; ``dataset`` is the user's dataset,
+    and a loader rebuilt from the attributes reads the same batches."""
     dataset = Pids()
     with SavableDataLoader(dataset, batch_size=4, num_workers=2) as loader:
-        assert loader.persistent_workers is True
-        assert loader.dataset is not dataset
+        assert loader.persistent_workers is False
+        assert loader.dataset is dataset
         assert loader.source.data is dataset
         first, second = ({pid for batch in loader for pid in batch.tolist()} for _ in range(2))
         assert len(first) == 2
         assert first.isdisjoint(second)
+    original = SavableDataLoader(Numbers(), batch_size=3, num_workers=2)
+    names = ("batch_size", "drop_last", "collate_fn", "sampler", "generator", "num_workers")
+    rebuilt = SavableDataLoader(
+        original.dataset, **{name: getattr(original, name) for name in names}
+    )
+    with original, rebuilt:
+        assert _plain(rebuilt) == _plain(original) == _plain(DataLoader(Numbers(), batch_size=3))
 
 
 class Labelled(Numbers):

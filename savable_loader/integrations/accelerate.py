@@ -12,11 +12,12 @@ Accelerate (1.x) treats every ``DataLoader`` given to ``prepare()`` as a recipe:
 builds a new loader over ``loader.dataset`` (``DataLoaderShard``, or
 ``DataLoaderDispatcher``, the default for an ``IterableDataset``, which reads every batch
 on rank 0 and scatters slices), with its own sampler, ``even_batches`` and RNG
-synchronization. A ``SavableDataLoader``'s ``dataset`` is its worker wrapper, which only
-the loader itself can drive, so a plain ``SavableDataLoader`` comes out of ``prepare()``
-broken (the dispatcher fails in ``find_batch_size``; a ``DataLoaderShard`` yields the
-wrapper's internal events). Its resume helper, ``skip_first_batches``, re-creates the
-loader too and reads the skipped batches again.
+synchronization. A ``SavableDataLoader`` shows its ``dataset`` and arguments as torch's
+``DataLoader`` does (NOTE [ What the loader shows of its arguments ] in ``_shown.py``),
+so a plain one comes out of ``prepare()`` as Accelerate's own loader over the dataset:
+it reads the data as torch's would, but nothing saves its position exactly any more. Its
+resume helper, ``skip_first_batches``, re-creates the loader too and reads the skipped
+batches again.
 
 The supported path, and the rule: a ``SavableDataLoader`` must not be re-created by
 Accelerate. :class:`AccelerateSavableDataLoader` carries ``_is_accelerate_prepared``,

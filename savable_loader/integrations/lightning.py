@@ -28,15 +28,14 @@ not skip batches itself. Four things need care; the first three are handled here
    would begin again at its first epoch. :class:`SavableLoaderCallback` takes the states
    from the checkpoint and restores the loaders Lightning left alone, at
    ``on_train_start``, before the first batch.
-4. Lightning calls ``set_epoch`` on ``loader.sampler`` when it has one. The ``sampler``
-   of a ``DataLoader`` over the worker wrapper would be torch's endless placeholder;
-   ``SavableDataLoader`` itself makes it a placeholder that passes ``set_epoch`` on to the
-   sampler you gave, a ``DistributedSampler`` with ``use_distributed_sampler=False`` (NOTE
-   [ What the loader shows of its arguments ] in ``_sampler_view.py``).
+4. Lightning calls ``set_epoch`` on ``loader.sampler`` when it has one: the loader shows
+   the sampler you gave (or torch's), so it reaches a ``DistributedSampler`` itself
+   (NOTE [ What the loader shows of its arguments ] in ``_shown.py``).
 
-Lightning never re-creates the loader to inject a ``DistributedSampler``: its ``dataset``
-is the worker wrapper, an ``IterableDataset``, which Lightning leaves as it is; the loader
-shards by rank itself, with ``use_distributed_sampler`` True or False.
+With ``use_distributed_sampler=True`` and a map-style dataset under DDP, Lightning
+re-creates the loader from its saved arguments with a ``DistributedSampler``, as for
+torch's ``DataLoader``; the rebuilt loader draws its order from that sampler. Otherwise
+the loader shards by rank itself.
 
 A loader without a length (an ``IterableDataset`` that does not know its size) is read
 one batch ahead by Lightning's fetcher, so a checkpoint's state stands one batch past the

@@ -1,0 +1,116 @@
+"""What the loader shows of its arguments (``loader.dataset``, ``sampler``,
+``batch_sampler``, ``collate_fn``, ...) and what torch's ``DataLoader`` underneath reads
+instead.
+
+NOTE [ What the loader shows of its arguments ]
+Torch's ``DataLoader`` underneath reads the worker wrapper, an ``IterableDataset`` it does
+not batch, and starts workers with the loader's own ``worker_init_fn``. Code that reads a
+loader's attributes (Lightning, Accelerate, a script's ``len(loader.dataset)``, a DDP
+loop's ``loader.sampler.set_epoch``) must see what torch's ``DataLoader`` shows instead,
+and code that rebuilds a loader from them must build the same loader again. So the loader
+keeps two sets of values for the attributes torch's iterators read:
+
+- what it shows, set after ``DataLoader.__init__`` with ``object.__setattr__`` (torch
+  guards some of them): ``dataset`` (the user's), ``sampler`` and ``batch_sampler`` (the
+  user's, or the ones torch builds over the same arguments: ``Pipeline.sampler``, the
+  very objects the loader draws each epoch's order from), ``batch_size`` (None beside a
+  ``batch_sampler``, as torch reports), ``drop_last``, ``collate_fn`` (the user's, or
+  torch's default for the batching: ``default_collate``, or ``default_convert`` without
+  a batch size), ``worker_init_fn`` (the user's, None by default), ``generator`` (the
+  user's, None by default), ``persistent_workers`` (as passed) and, from torch 2.6,
+  ``in_order``;
+- what torch's iterators need (:func:`torch_arguments`): the worker wrapper, torch's
+  endless placeholder sampler and no batch sampler (torch batches whenever there is
+  one), an identity ``collate_fn`` (torch hands on every event as it is), the loader's
+  ``WorkerInit`` around the user's current ``worker_init_fn``, the generator torch draws
+  the workers' base seed from (derived from ``seed`` and the rank, or a copy of the
+  user's generator as it stood before the epoch's draws), and ``persistent_workers``
+  True with workers (the loader stops them itself at every epoch's end when the user
+  passed False: NOTE [ Workers per epoch ] in ``_iterator.py``).
+
+``Stream._torch_iterator`` puts the second set in place while ``DataLoader.__iter__``
+builds or resets torch's iterator, which keeps what it read, and the first back right
+after. So ``loader.sampler.set_epoch(epoch)`` reaches a ``DistributedSampler`` itself,
+``isinstance(loader.sampler, DistributedSampler)`` holds, ``len(loader.dataset)`` is the
+dataset's, and a loader rebuilt as ``type(loader)(loader.dataset, sampler=...,
+batch_size=loader.batch_size, ...)`` (Lightning injecting a ``DistributedSampler``) is
+the same pipeline with that sampler.
+
+NOTE [ A collate_fn set later ]
+Torch lets ``loader.collate_fn`` be set after ``__init__`` and reads it whenever it
+starts workers (or, without workers, at every ``iter()``). The loader batches inside the
+pipeline (``Batch``), so setting it changes the pipeline's ``Batch`` and the fingerprint
+(``Pipeline.use_collate``). If the stream is running, the loader first stops it keeping
+its position, as after a pipeline error (NOTE [ Errors stop the stream ] in
+``_iterator.py``): the next batch handed on is the first collated by the new function,
+prefetched ones included, and a state saved from then on carries the new function's
+name, so a script that sets it the same way before restoring resumes exactly. Torch
+differs in two ways, both unsavable: its running workers keep the old function until
+they restart, and persistent ones forever. A dataset that cannot save its position
+cannot have the function changed while the stream runs (``ConfigError``). Setting
+torch's default back restores the pipeline as built with ``collate_fn=None``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import _torch_compat
+
+if TYPE_CHECKING:
+    from ._pipeline import Pipeline
+
+__all__ = ["SWAPPED", "shown_arguments", "torch_arguments"]
+
+#: The attributes torch's iterators read that show something else to the user.
+SWAPPED = (
+    "dataset",
+    "sampler",
+    "batch_sampler",
+    "batch_size",
+    "drop_last",
+    "generator",
+    "persistent_workers",
+)
+
+
+def shown_arguments(
+    pipeline: Pipeline,
+    batch_sampler: Any,
+    batch_size: int | None,
+    drop_last: bool,
+    in_order: bool,
+    generator: Any,
+    persistent_workers: bool,
+) -> dict[str, Any]:
+    """The attributes the loader shows, by name (NOTE [ What the loader shows of its
+    arguments ]).
+
+    Args:
+        pipeline: The loader's pipeline (its dataset, samplers and collate function as
+            torch shows them).
+        batch_sampler: The loader's ``batch_sampler=`` argument; ``batch_size``,
+            ``drop_last``, ``in_order`` (shown only
+            where torch has the attribute, 2.6 on: the loader passes True to torch),
+            ``generator`` and ``persistent_workers`` likewise.
+    """
+    shown = {
+        "dataset": pipeline.dataset,
+        "sampler": pipeline.sampler,
+        "batch_sampler": pipeline.batch_sampler,
+        "batch_size": None if batch_sampler is not None else batch_size,
+        "drop_last": drop_last,
+        "collate_fn": pipeline.collate_fn,
+        "generator": generator,
+        "persistent_workers": persistent_workers,
+    }
+    if _torch_compat.in_order_argument():
+        shown["in_order"] = in_order
+    return shown
+
+
+def torch_arguments(loader: Any) -> dict[str, Any]:
+    """What torch's ``DataLoader.__init__`` set on ``loader`` for the attributes in
+    :data:`SWAPPED`: the values its iterators need (NOTE [ What the loader shows of its
+    arguments ])."""
+    return {name: loader.__dict__[name] for name in SWAPPED}
