@@ -52,20 +52,26 @@ def _generators(*objects: Any) -> list[torch.Generator]:
     """The distinct torch generators of the loader and its sampler (and the sampler a
     batch sampler wraps), in a fixed order."""
     found: list[torch.Generator] = []
-    pending = list(objects)
+    seen: dict[int, Any] = {}  # by id, holding each object so that no id is reused
+    # Breadth first, a few levels down: a sampler that holds itself (a cycle) or makes a
+    # new object on every read (a Mock) must not keep this walking.
+    pending = [(obj, 0) for obj in objects]
     while pending:
-        obj = pending.pop(0)
-        if obj is None:
+        obj, depth = pending.pop(0)
+        if obj is None or id(obj) in seen or depth > _MAX_NESTING:
             continue
+        seen[id(obj)] = obj
         if isinstance(obj, torch.Generator):
-            if all(obj is not known for known in found):
-                found.append(obj)
+            found.append(obj)
             continue
-        pending.append(getattr(obj, "generator", None))
-        inner = getattr(obj, "sampler", None)
-        if inner is not None and inner is not obj:
-            pending.append(inner)
+        pending.append((getattr(obj, "generator", None), depth + 1))
+        pending.append((getattr(obj, "sampler", None), depth + 1))
     return found
+
+
+#: How deep samplers are searched for generators: torch nests two (a batch sampler's
+#: sampler's generator); wrappers of those add a few.
+_MAX_NESTING = 8
 
 
 class EpochPlanner:

@@ -13,6 +13,7 @@ import pickle
 import warnings
 from collections.abc import Iterator
 from typing import Any, get_args, get_origin, get_type_hints
+from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     Sampler,
+    SequentialSampler,
 )
 
 from savable_loader import SavableDataLoader
@@ -343,3 +345,19 @@ def test_the_loader_is_generic_as_torchs() -> None:
     assert get_args(hints["return"]) == get_args(DataLoader[list[torch.Tensor]])
     with batches() as loader:
         assert isinstance(loader, DataLoader)
+
+
+def test_samplers_that_hold_themselves_or_make_new_objects_build_at_once() -> None:
+    """The search for the samplers' generators stops: a sampler holding its own batch
+    sampler (a cycle) and a Mock (a new object at every attribute) both build, as with
+    torch, instead of walking forever."""
+    sampler = SequentialSampler(range(8))
+    batch_sampler = BatchSampler(sampler, 2, False)
+    sampler.sampler = batch_sampler  # type: ignore[attr-defined]
+    with SavableDataLoader(range(8), batch_sampler=batch_sampler) as loader:
+        assert _plain(loader) == _plain(DataLoader(range(8), batch_sampler=batch_sampler))
+    mocked = mock.MagicMock(spec=BatchSampler)
+    mocked.__iter__.return_value = iter([[0, 1], [2, 3]])
+    mocked.__len__.return_value = 2
+    with SavableDataLoader(range(4), batch_sampler=mocked) as loader:
+        assert loader.batch_sampler is mocked
