@@ -195,24 +195,19 @@ class IndexedDataset(Stage[T]):
         return reshard_indexed(self, plan)
 
     def check_layout(self, context: WorkerContext) -> None:
-        """Refuses a layout on which a rank would read nothing.
+        """Refuses a layout on which a rank would read nothing of a dataset that has
+        items. An empty dataset reads as torch's ``DataLoader`` reads it: no batches.
 
         Raises:
-            ConfigError: The dataset is empty, or has fewer items than ranks with
-                ``even="drop"``.
+            ConfigError: The dataset has fewer items than ranks with ``even="drop"``.
         """
         length, ranks = len(self.data), context.world_size
-        if epoch_length(length, ranks, self.even) > 0:
+        if length == 0 or epoch_length(length, ranks, self.even) > 0:
             return
-        fix = (
-            'use even="pad" or fewer ranks'
-            if length
-            else "check the dataset (its __len__ is 0) or the path it was built from"
-        )
         raise ConfigError(
             f"{self.describe()}: rank {context.rank} would read no item: {length} items "
             f"over {ranks} rank{'s' * (ranks != 1)} (even={self.even!r}) leave every rank "
-            f"with an empty epoch; {fix}"
+            'with an empty epoch; use even="pad" or fewer ranks'
         )
 
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
