@@ -55,12 +55,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from . import _torch_compat
 
 if TYPE_CHECKING:
     from ._pipeline import Pipeline
 
-__all__ = ["SWAPPED", "shown_arguments", "torch_arguments"]
+__all__ = ["SWAPPED", "PicklesOwnGenerators", "shown_arguments", "torch_arguments"]
 
 #: The attributes torch's iterators read that show something else to the user.
 SWAPPED = (
@@ -107,6 +109,53 @@ def shown_arguments(
     if _torch_compat.in_order_argument():
         shown["in_order"] = in_order
     return shown
+
+
+class PicklesOwnGenerators:
+    """Pickles the loader with its own generators (``_own_generator`` and the one torch
+    reads) as their states, and builds them again on unpickling.
+
+    NOTE [ A loader sent to a spawned process ]
+    ``torch.multiprocessing`` sends a tensor to another process through shared memory,
+    and a ``torch.Generator`` pickles as its state tensor, which a spawned process fails
+    to map ("unable to resize file"): a loader that holds one cannot be an argument of
+    ``mp.spawn`` (Lightning's ``ddp_spawn``). Torch's ``DataLoader`` holds none unless
+    given ``generator=``; this loader always holds two of its own, so they travel as
+    bytes instead. A ``generator=`` of the user's travels as torch sends it, as with
+    torch's loader.
+    """
+
+    __dict__: dict[str, Any]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_for_torch"] = dict(state["_for_torch"])
+        state["_own_generator"] = _as_bytes(state["_own_generator"])
+        state["_for_torch"]["generator"] = _as_bytes(state["_for_torch"]["generator"])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["_own_generator"] = _as_generator(state["_own_generator"])
+        state["_for_torch"]["generator"] = _as_generator(state["_for_torch"]["generator"])
+        self.__dict__.update(state)
+
+
+class _GeneratorState(bytes):
+    """A pickled loader's own generator (NOTE [ A loader sent to a spawned process ])."""
+
+
+def _as_bytes(generator: Any) -> Any:
+    if type(generator) is not torch.Generator or generator.device.type != "cpu":
+        return generator
+    return _GeneratorState(generator.get_state().numpy().tobytes())
+
+
+def _as_generator(value: Any) -> Any:
+    if not isinstance(value, _GeneratorState):
+        return value
+    generator = torch.Generator()
+    generator.set_state(torch.frombuffer(bytearray(value), dtype=torch.uint8))
+    return generator
 
 
 def torch_arguments(loader: Any) -> dict[str, Any]:

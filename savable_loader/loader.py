@@ -23,7 +23,7 @@ from ._iterator import LengthCheck, LoaderIterator
 from ._layout import Layout
 from ._pipeline import base_seed_generator, build_pipeline
 from ._runtime_spec import RuntimeSpec
-from ._shown import shown_arguments, torch_arguments
+from ._shown import PicklesOwnGenerators, shown_arguments, torch_arguments
 from ._stream import Hang, Stream
 from ._worker import WorkerWrapper
 from .config import WorkerConfig
@@ -38,7 +38,7 @@ __all__ = ["SavableDataLoader"]
 T_co = TypeVar("T_co", covariant=True)
 
 
-class SavableDataLoader(distributed.GlobalStates, DataLoader[T_co]):
+class SavableDataLoader(distributed.GlobalStates, PicklesOwnGenerators, DataLoader[T_co]):
     """A ``DataLoader`` whose position in the data stream can be saved and restored exactly.
 
     Arguments keep ``DataLoader``'s names and defaults where they apply. Batching

@@ -361,3 +361,27 @@ def test_samplers_that_hold_themselves_or_make_new_objects_build_at_once() -> No
     mocked.__len__.return_value = 2
     with SavableDataLoader(range(4), batch_sampler=mocked) as loader:
         assert loader.batch_sampler is mocked
+
+
+def _read_in_child(loader: SavableDataLoader[Any], queue: Any) -> None:
+    queue.put([batch.tolist() for batch in loader])
+
+
+@pytest.mark.slow
+def test_a_loader_sent_to_a_spawned_process_reads_its_stream_there() -> None:
+    """``mp.spawn`` (Lightning's ``ddp_spawn``) pickles its arguments through shared
+    memory, where a ``torch.Generator`` cannot go (NOTE [ A loader sent to a spawned
+    process ] in ``_shown.py``): the loader's own generators travel as bytes."""
+    with SavableDataLoader(list(range(10)), batch_size=3, shuffle=True, seed=2) as loader:
+        want = _plain(SavableDataLoader(list(range(10)), batch_size=3, shuffle=True, seed=2))
+        context = torch.multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        child = context.Process(target=_read_in_child, args=(loader, queue))
+        child.start()
+        try:
+            got = queue.get(timeout=120)
+        finally:
+            child.join(60)
+            child.kill()
+    assert got == want
+    assert child.exitcode == 0
