@@ -34,7 +34,11 @@ after. So ``loader.sampler.set_epoch(epoch)`` reaches a ``DistributedSampler`` i
 ``isinstance(loader.sampler, DistributedSampler)`` holds, ``len(loader.dataset)`` is the
 dataset's, and a loader rebuilt as ``type(loader)(loader.dataset, sampler=...,
 batch_size=loader.batch_size, ...)`` (Lightning injecting a ``DistributedSampler``) is
-the same pipeline with that sampler.
+the same pipeline with that sampler. Lightning records the dataset each ``__init__`` of
+the chain passed on (``__dataset``), the last being the wrapper given to
+``DataLoader.__init__``, and rebuilds over that record: the loader points it back at the
+user's dataset, or Lightning would take the wrapper, an ``IterableDataset``, and inject
+no sampler.
 
 NOTE [ A collate_fn set later ]
 Torch lets ``loader.collate_fn`` be set after ``__init__`` and reads it whenever it

@@ -171,6 +171,8 @@ class SavableDataLoader(distributed.GlobalStates, PicklesOwnGenerators, DataLoad
         )
         for name, value in shown.items():
             object.__setattr__(self, name, value)
+        if "__dataset" in self.__dict__:  # Lightning's record of the dataset: NOTE above
+            object.__setattr__(self, "__dataset", dataset)
         #: What a state is checked against and resharded for (``_compat.py``).
         self.layout = Layout(root, seed, self.rank, self.world_size, num_workers)
         self.fingerprint = self.layout.fingerprint

@@ -385,3 +385,31 @@ def test_a_loader_sent_to_a_spawned_process_reads_its_stream_there() -> None:
             child.kill()
     assert got == want
     assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("given", ["sampler", "batch_sampler"])
+def test_lightning_rebuilds_it_with_a_distributed_sampler_as_it_rebuilds_torchs(given) -> None:
+    """Lightning re-creates a loader built in a ``*_dataloader`` hook with a
+    ``DistributedSampler`` from the arguments it recorded, and its record of the dataset
+    is the user's, not the wrapper torch reads (NOTE [ What the loader shows of its
+    arguments ] in ``_shown.py``): the rebuilt loader reads rank 0's share, as torch's."""
+    hooks = pytest.importorskip("lightning.fabric.utilities.data")
+    update = pytest.importorskip("lightning.pytorch.utilities.data")._update_dataloader
+    dataset = Numbers()
+    options = {"batch_size": 4} if given == "sampler" else {}
+    batches = []
+    for loader_class in (DataLoader, SavableDataLoader):
+        if given == "batch_sampler":
+            options = {"batch_sampler": BatchSampler(SequentialSampler(dataset), 4, False)}
+        with hooks._replace_dunder_methods(DataLoader, "dataset"):
+            loader = loader_class(dataset, **options)
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=False)
+        rebuilt = update(loader, sampler)
+        assert type(rebuilt) is loader_class
+        inner = rebuilt.sampler if given == "sampler" else rebuilt.batch_sampler.sampler
+        assert inner is sampler
+        batches.append(_plain(rebuilt))
+        if isinstance(rebuilt, SavableDataLoader):
+            rebuilt.close()
+    assert batches[0] == batches[1]
+    assert sorted(i for batch in batches[1] for i in batch) == list(range(0, 23, 2))
