@@ -19,7 +19,6 @@ from typing import Any
 
 import fsspec
 import pytest
-import s3fs
 from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 from test_storage_faults import CUT, SLOW_DOWN, _NoWaits, _through
@@ -283,6 +282,8 @@ def faulty(
 ) -> Iterator[tuple[FaultProxy, dict[str, Any]]]:
     """A proxy in front of the module's S3 server and options through it, with botocore's
     and s3fs's retries off so that the faults reach the download (as test_storage_faults)."""
+    import s3fs  # NOTE [ Heavy imports last ] in conftest.py
+
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     monkeypatch.setattr(s3fs.core, "asyncio", _NoWaits())
     with FaultProxy(endpoint_url, seed=3) as proxy:

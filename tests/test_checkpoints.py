@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from pipelines import RandomCounter
 
 from savable_loader import (
@@ -119,6 +118,8 @@ def test_torch_save_and_weights_only_load_round_trip_next_to_a_model() -> None:
 )
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_distributed_checkpoint_round_trips_in_one_process(num_workers: int, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp  # NOTE [ Heavy imports last ] in conftest.py
+
     loader = _loader(num_workers)
     iterator = iter(loader)
     for _ in range(5):

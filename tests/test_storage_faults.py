@@ -29,12 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
-import botocore.config
 import numpy as np
 import pytest
-import s3fs
-from botocore.exceptions import ClientError, ResponseStreamingError
 from s3_server import BUCKET, KEY_ID, REGION, S3, S3FS_WARNINGS, SECRET
 
 from savable_loader import SavableDataLoader, StorageError
@@ -89,6 +85,8 @@ def _through(s3: S3, proxy: FaultProxy) -> dict[str, Any]:
 def options(s3: S3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Storage options through the proxy, with botocore's and s3fs's retries off, so
     that the faults reach the source (forked workers inherit the patches)."""
+    import s3fs  # NOTE [ Heavy imports last ] in conftest.py
+
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     monkeypatch.setattr(s3fs.core, "asyncio", _NoWaits())
     return {
@@ -172,6 +170,10 @@ def _assert_faulted(proxy: FaultProxy) -> None:
 
 
 def test_the_proxy_forwards_and_faults_only_object_reads(s3: S3, proxy: FaultProxy) -> None:
+    import boto3  # NOTE [ Heavy imports last ] in conftest.py
+    import botocore.config
+    from botocore.exceptions import ClientError, ResponseStreamingError
+
     through = boto3.client(
         "s3",
         endpoint_url=proxy.url,

@@ -15,7 +15,6 @@ import uuid
 from typing import Any
 
 import pytest
-import s3fs
 from s3_server import BUCKET, S3, S3FS_WARNINGS
 
 from savable_loader import (
@@ -150,6 +149,8 @@ def test_inspect_prints_the_summary(s3: S3, capsys: pytest.CaptureFixture[str]) 
     save_state(state, url, **s3.options())
     size = s3.client.head_object(Bucket=BUCKET, Key=s3.key("ckpt/loader.state"))["ContentLength"]
     s3.use_environment()
+    import s3fs  # NOTE [ Heavy imports last ] in conftest.py
+
     s3fs.S3FileSystem.clear_instance_cache()
 
     assert main(["inspect", url]) == 0

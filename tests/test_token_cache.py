@@ -14,7 +14,6 @@ from typing import Any
 import fsspec
 import numpy as np
 import pytest
-import s3fs
 from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 
@@ -95,7 +94,10 @@ class _Counting:
     one funnel to botocore)."""
 
     def __init__(self) -> None:
+        import s3fs  # NOTE [ Heavy imports last ] in conftest.py
+
         self.calls: list[str] = []
+        self._s3fs = s3fs
         self._real = s3fs.S3FileSystem._call_s3
 
     def __enter__(self) -> _Counting:
@@ -105,11 +107,11 @@ class _Counting:
             calls.append(str(method))
             return await real(fs, method, *args, **kwargs)
 
-        s3fs.S3FileSystem._call_s3 = counted  # type: ignore[method-assign]
+        self._s3fs.S3FileSystem._call_s3 = counted  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        s3fs.S3FileSystem._call_s3 = self._real  # type: ignore[method-assign]
+        self._s3fs.S3FileSystem._call_s3 = self._real  # type: ignore[method-assign]
 
 
 # Exactness.
