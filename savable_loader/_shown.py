@@ -96,9 +96,9 @@ def shown_arguments(
         pipeline: The loader's pipeline (its dataset, samplers and collate function as
             torch shows them).
         batch_sampler: The loader's ``batch_sampler=`` argument; ``batch_size``,
-            ``drop_last``, ``in_order`` (shown only
-            where torch has the attribute, 2.6 on: the loader passes True to torch),
-            ``generator`` and ``persistent_workers`` likewise.
+            ``drop_last``, ``in_order`` (shown only where torch has the attribute, 2.6
+            on: the loader passes True to torch), ``generator`` and
+            ``persistent_workers`` likewise.
     """
     shown = {
         "dataset": pipeline.dataset,
