@@ -150,15 +150,25 @@ def _no_leftover_memory_files() -> Iterator[None]:
 # to what the process has mapped: with the trainers, Hugging Face datasets, moto and
 # pyarrow imported (the documentation pages import the trainers), the pytest process
 # grows from about 290 MB to 600 MB and every loader's start and stop costs ~60% more.
-# So the tests that import them run after all the others, in their collected order
-# otherwise, and the test modules import them where used rather than at collection.
-_IMPORTS_HEAVY_MODULES = (
-    "test_docs.py",
-    "test_hf_trainer.py",
-    "test_stateful_adapters.py",
-    "test_table_source.py",
-)
+# So the test files whose tests import them run after all the others, in their collected
+# order otherwise, and the test modules import them where used rather than at collection.
+# A file goes last as a whole: pytest-xdist (--dist loadfile) runs all of a file's tests
+# when its first test comes, so a file of light tests with one S3 test brought moto into
+# the process a third of the way into the run, and both processes held 520-560 MB for the
+# rest of the light files. The heavy files come in tiers, by what they add to the process:
+# moto and s3fs (the S3 fixtures, 85 MB), torch.distributed.checkpoint (30 MB) and
+# lightning.fabric (25 MB); then Hugging Face datasets and pyarrow; then the trainers.
+_HEAVY_TIERS = {
+    "test_checkpoints.py": 1,  # torch.distributed.checkpoint
+    "test_loader_surface.py": 1,  # lightning.fabric, in one test
+    "test_getitems.py": 2,  # Hugging Face datasets, in one test
+    "test_stateful_adapters.py": 2,
+    "test_table_source.py": 2,
+    "test_docs.py": 3,
+    "test_hf_trainer.py": 3,
+}
 _S3_FIXTURES = frozenset({"s3", "endpoint_url"})
+_S3_TIER = 1
 
 
 # NOTE [ Longest files first ]
@@ -166,7 +176,7 @@ _S3_FIXTURES = frozenset({"s3", "endpoint_url"})
 # (NOTE [ Two test processes ] in noxfile.py), each process asking for the next file when
 # it is done. A long file taken last keeps one process busy while the other waits: at the
 # end of a run, the trainer tests (two to four tests, 50 to 100 s a file) ran alone. So
-# within each group above the files that took longest (20 s or more of a 13-minute run)
+# within each tier above the files that took longest (20 s or more of a 13-minute run)
 # come first, longest first.
 _LONGEST_MODULES = (
     "test_resume.py",
@@ -191,22 +201,27 @@ _LONGEST_MODULES = (
 )
 
 
-def _imports_heavy_modules(item: pytest.Item) -> bool:
-    return item.path.name in _IMPORTS_HEAVY_MODULES or bool(
-        _S3_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-    )
+def _heavy_tiers(items: list[pytest.Item]) -> dict[str, int]:
+    """Each test file's tier (NOTE [ Heavy imports last ]): 0 for a file of light tests."""
+    tiers: dict[str, int] = {}
+    for item in items:
+        name = item.path.name
+        tier = _HEAVY_TIERS.get(name, 0)
+        if _S3_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            tier = max(tier, _S3_TIER)
+        tiers[name] = max(tiers.get(name, 0), tier)
+    return tiers
 
 
-def _order(item: pytest.Item) -> tuple[bool, int]:
-    name = item.path.name
-    longest = _LONGEST_MODULES.index(name) if name in _LONGEST_MODULES else len(_LONGEST_MODULES)
-    return _imports_heavy_modules(item), longest
+def _longest(name: str) -> int:
+    return _LONGEST_MODULES.index(name) if name in _LONGEST_MODULES else len(_LONGEST_MODULES)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Runs the tests that import heavy modules last (NOTE [ Heavy imports last ]), the
-    longest files first within each group (NOTE [ Longest files first ])."""
-    items[:] = sorted(items, key=_order)
+    """Runs the files whose tests import heavy modules last, by tier (NOTE [ Heavy imports
+    last ]), the longest files first within each tier (NOTE [ Longest files first ])."""
+    tiers = _heavy_tiers(items)
+    items[:] = sorted(items, key=lambda item: (tiers[item.path.name], _longest(item.path.name)))
 
 
 # NOTE [ S3 fixtures ]
