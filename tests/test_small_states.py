@@ -27,17 +27,22 @@ from savable_loader.state.files import decode_state, encode_state
 from savable_loader.state.models import Checkpoint, RankState
 from savable_loader.testing import ResumeReport, assert_resumes_exactly
 
-N, BATCH = 20, 2
+#: Items of an epoch: 6 batches, 3 a worker with 2 workers. With draws from item 8 on (a
+#: worker's third batch), a worker's epoch has checkpoints before and after its first draw.
+N, BATCH = 12, 2
 DENSE = WorkerConfig(checkpoint_share=1.0)
 #: The issue's bound on a plain dataset's per-worker state.
 SMALL = 2048
 
 
 class Plain(Dataset[torch.Tensor]):
-    """A map-style dataset that never draws."""
+    """A map-style dataset of ``n`` items that never draws."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
 
     def __len__(self) -> int:
-        return N
+        return self.n
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return torch.tensor([index])
@@ -46,7 +51,8 @@ class Plain(Dataset[torch.Tensor]):
 class Draws(Plain):
     """Draws from torch's global generator for every item at or past ``start``."""
 
-    def __init__(self, start: int = 0) -> None:
+    def __init__(self, start: int = 0, n: int = N) -> None:
+        super().__init__(n)
         self.start = start
 
     def __getitem__(self, index: int) -> torch.Tensor:
@@ -252,6 +258,11 @@ def test_inspect_shows_which_workers_saved_generator_bytes(tmp_path, capsys):
 # -- a shuffle's window generators (NOTE [ Seeded windows ] in rng.py) ---------------------
 
 
+#: Items a shuffle reads: with 2 workers, worker 0's third window of 4 (items 16 and 17)
+#: starts after the draws from item 8 on, so later windows hold the generators' bytes.
+WINDOWED = 20
+
+
 def _shuffled(dataset: Any, num_workers: int, *, buffer_size: int = 4) -> SavableDataLoader:
     from savable_loader.datasets import IndexedDataset
 
@@ -266,7 +277,7 @@ def _windows(state: RankState) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_shuffle_over_a_plain_dataset_saves_no_generator_bytes(num_workers):
-    with _shuffled(Plain(), num_workers) as loader:
+    with _shuffled(Plain(WINDOWED), num_workers) as loader:
         states = _states_along(loader, epochs=2)
     windows = [window for state in states for window in _windows(state)]
     assert any(window["window"] > 0 for window in windows), "several windows were read"
@@ -281,29 +292,29 @@ def test_a_shuffle_over_a_plain_dataset_saves_no_generator_bytes(num_workers):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_shuffle_over_a_plain_dataset_resumes_exactly(num_workers):
     """Every point without workers; with workers, the odd ones (every window, mid-way)."""
-    total = 2 * (N // BATCH)
+    total = 2 * (WINDOWED // BATCH)
     points = range(total + 1) if num_workers == 0 else range(1, total + 1, 2)
-    _resumes(lambda: _shuffled(Plain(), num_workers), epochs=2, points=points)
+    _resumes(lambda: _shuffled(Plain(WINDOWED), num_workers), epochs=2, points=points)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_shuffle_over_draws_keeps_bytes_once_drawn_and_resumes_exactly(num_workers):
     """Draws from item 8 on: windows that start before the first draw name the epoch,
     later ones hold the generators' bytes; a restore at every point is exact."""
-    with _shuffled(Draws(start=8), num_workers) as loader:
+    with _shuffled(Draws(start=8, n=WINDOWED), num_workers) as loader:
         states = _states_along(loader, epochs=2)
     windows = [window for state in states for window in _windows(state)]
     assert any(window.get("seeded_epoch") is not None for window in windows)
     assert any(window["rng"] is not None for window in windows)
-    total = 2 * (N // BATCH)
+    total = 2 * (WINDOWED // BATCH)
     points = range(total + 1) if num_workers == 0 else range(1, total + 1, 2)
-    _resumes(lambda: _shuffled(Draws(start=8), num_workers), epochs=2, points=points)
+    _resumes(lambda: _shuffled(Draws(start=8, n=WINDOWED), num_workers), epochs=2, points=points)
 
 
 def test_a_shuffle_state_with_bytes_and_an_epoch_is_refused():
     from savable_loader import StateError
 
-    with _shuffled(Draws(start=8), 0) as loader:
+    with _shuffled(Draws(start=8, n=WINDOWED), 0) as loader:
         iterator = iter(loader)
         next(iterator)
         plain = loader.save_state_rank().to_plain()
@@ -315,7 +326,7 @@ def test_a_shuffle_state_with_bytes_and_an_epoch_is_refused():
     assert window["seeded_epoch"] == 0
     assert drawn["rng"] is not None
     window["rng"] = drawn["rng"]
-    with _shuffled(Draws(start=8), 0) as restored:
+    with _shuffled(Draws(start=8, n=WINDOWED), 0) as restored:
         restored.restore_state_rank(plain)
         with pytest.raises(StateError, match="both rng and seeded_epoch"):
             next(iter(restored))
