@@ -6,6 +6,7 @@ included, resumes exactly."""
 
 from __future__ import annotations
 
+import gc
 import math
 import pickle
 from typing import Any
@@ -88,7 +89,10 @@ def _errors_per_epoch(loader: Any) -> int:
     ids=["shuffle", "workers", "persistent", "unbatched", "batch_sampler"],
 )
 def test_a_loop_that_catches_the_error_meets_it_once_a_batch_as_with_torch(options):
-    torch_errors = _errors_per_epoch(DataLoader(_Broken(11), **options))
+    torch_loader = DataLoader(_Broken(11), **options)
+    torch_errors = _errors_per_epoch(torch_loader)
+    del torch_loader  # its persistent workers stop with it (torch 2.4 needs the collection)
+    gc.collect()
     with SavableDataLoader(_Broken(11), **options) as loader:
         errors = _errors_per_epoch(loader)
         assert errors == torch_errors == len(loader)
