@@ -150,22 +150,24 @@ def _no_leftover_memory_files() -> Iterator[None]:
 # to what the process has mapped: with the trainers, Hugging Face datasets, moto and
 # pyarrow imported (the documentation pages import the trainers), the pytest process
 # grows from about 290 MB to 600 MB and every loader's start and stop costs ~60% more.
+# Some modules cost more than their size: once torch._dynamo is imported (by
+# torch.distributed.checkpoint, lightning.fabric and the trainers), a loader's epoch with
+# two workers takes ~25% more CPU time; moto and s3fs, 75 MB, add ~2%.
 # So the test files whose tests import them run after all the others, in their collected
 # order otherwise, and the test modules import them where used rather than at collection.
 # A file goes last as a whole: pytest-xdist (--dist loadfile) runs all of a file's tests
 # when its first test comes, so a file of light tests with one S3 test brought moto into
-# the process a third of the way into the run, and both processes held 520-560 MB for the
-# rest of the light files. The heavy files come in tiers, by what they add to the process:
-# moto and s3fs (the S3 fixtures, 85 MB), torch.distributed.checkpoint (30 MB) and
-# lightning.fabric (25 MB); then Hugging Face datasets and pyarrow; then the trainers.
+# the process a third of the way into the run, and the process took torch._dynamo soon
+# after. The heavy files come in tiers: moto and s3fs (the S3 fixtures); torch._dynamo;
+# Hugging Face datasets and pyarrow; the trainers.
 _HEAVY_TIERS = {
-    "test_checkpoints.py": 1,  # torch.distributed.checkpoint
-    "test_loader_surface.py": 1,  # lightning.fabric, in one test
-    "test_getitems.py": 2,  # Hugging Face datasets, in one test
-    "test_stateful_adapters.py": 2,
-    "test_table_source.py": 2,
-    "test_docs.py": 3,
-    "test_hf_trainer.py": 3,
+    "test_checkpoints.py": 2,  # torch.distributed.checkpoint
+    "test_loader_surface.py": 2,  # lightning.fabric, in one test
+    "test_getitems.py": 3,  # Hugging Face datasets, in one test
+    "test_stateful_adapters.py": 3,
+    "test_table_source.py": 3,
+    "test_docs.py": 4,
+    "test_hf_trainer.py": 4,
 }
 _S3_FIXTURES = frozenset({"s3", "endpoint_url"})
 _S3_TIER = 1
