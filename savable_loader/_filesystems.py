@@ -33,13 +33,15 @@ from typing import Any
 
 import fsspec
 
-__all__ = ["start_client", "url_to_fs"]
+__all__ = ["made_session", "start_client", "url_to_fs"]
 
 #: This process's botocore loaders by data path (NOTE [ Shared service models ]); a forked
 #: child inherits them.
 _LOADERS: dict[str | None, Any] = {}
 #: The sessions already looked at, so that a filesystem from fsspec's cache costs no lock.
 _SEEN: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The sessions :func:`url_to_fs` made, as s3fs would, for filesystems without one.
+_MADE: weakref.WeakSet[Any] = weakref.WeakSet()
 _LOCK = threading.Lock()
 
 
@@ -75,7 +77,14 @@ def _share_models(fs: Any) -> None:
             session.register_component("data_loader", loader)
         if fs.session is None:
             fs.session = session
+            _MADE.add(session)
         _SEEN.add(fs.session)
+
+
+def made_session(session: Any) -> bool:
+    """Whether :func:`url_to_fs` made ``session`` from the filesystem's own arguments, as
+    s3fs would (not a session the user gave, whose settings are not known here)."""
+    return session is not None and session in _MADE
 
 
 def start_client(fs: Any) -> None:

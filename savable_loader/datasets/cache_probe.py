@@ -49,9 +49,10 @@ from typing import Any
 
 from fsspec.asyn import sync
 
+from .._s3_client import get_object
 from .cache_stream import Changed
 
-__all__ = ["PROBE_BYTES", "asks", "probe", "range_reader", "write_rest"]
+__all__ = ["PROBE_BYTES", "asks", "probe", "range_reader", "read_whole", "write_rest"]
 
 #: Bytes an open asks for with the request that takes a file's signature (NOTE
 #: [ Probing a download ]): the first range of a download read as it arrives.
@@ -135,6 +136,16 @@ def range_reader(fs: Any, url: str, etag: str | None) -> Callable[[int, int], by
     return read
 
 
+def read_whole(fs: Any, url: str) -> bytes | None:
+    """``url`` read whole with one GET from byte 0, as ``fs.cat_file(url, start=0)`` reads
+    it, where this module asks the store itself (:func:`asks`); None elsewhere.
+
+    Raises:
+        Exception: What ``fs`` raised (``OSError(EINVAL)`` for an empty file's range).
+    """
+    return _get(fs, url, "bytes=0-")[1] if asks(fs, url) else None
+
+
 def asks(fs: Any, url: str) -> bool:
     """Whether this module asks the store for ``url`` itself: ``fs`` is s3fs and the URL
     names an object without a version."""
@@ -155,12 +166,24 @@ def _get(
     """One GET of the byte range ``span`` (an HTTP ``Range``) of ``url``, an object of
     ``fs`` (:func:`asks`): its answer's headers and its bytes (with ``landed``, each
     chunk is handed to it as it arrives instead, and the bytes returned are empty).
+    Sent with the process's synchronous client where it can be (NOTE [ Synchronous GETs ]
+    in ``_s3_client.py``), else through s3fs.
 
     Raises:
         Changed: ``etag`` is given and the answer is of another ETag (its body unread).
         Exception: What ``fs`` raised.
     """
     bucket, key, _ = fs.split_path(url)
+    with get_object(fs, bucket, key, span) as answer:  # NOTE [ Synchronous GETs ]
+        if answer is not None:
+            body = answer["Body"]
+            if etag is not None and str(answer.get("ETag", "")) != etag:
+                raise Changed(f"{url} was replaced while it was being downloaded")
+            if landed is None:
+                return answer, body.read()
+            while chunk := body.read(_READ_BYTES):
+                landed(chunk)
+            return answer, b""
 
     async def call() -> tuple[dict[str, Any], bytes]:
         answer = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=span)

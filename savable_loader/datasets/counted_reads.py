@@ -40,6 +40,7 @@ from typing import IO, Any, cast
 from fsspec.compression import compr
 from fsspec.core import get_compression
 
+from .cache_probe import read_whole
 from .held_file import HeldFile
 from .storage_stats import CacheStats
 
@@ -98,7 +99,8 @@ class CountedReads:
         started, data, requests = time.perf_counter(), b"", 1
         try:
             try:
-                data = fs.cat_file(url, start=0)
+                whole = read_whole(fs, url)  # NOTE [ Synchronous GETs ] in _s3_client.py
+                data = fs.cat_file(url, start=0) if whole is None else whole
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
