@@ -18,8 +18,10 @@ benchmark measures it per configuration (medians over rounds, alternating the or
 and measures the floor under it too: the CPU of one GET of a 16 KB object with botocore
 (boto3's client), with s3fs (the loader's filesystem) and with a bare urllib3 GET of a URL
 signed beforehand (presigned), which neither signs nor parses (no S3 client in Python
-costs less), and the CPU per MB of a
-download written to a file.
+costs less), and the CPU per MB of a download written to a file. The configurations named
+``.../s3fs`` send every request through s3fs, as the loader did before its own GETs went
+through botocore's synchronous client (NOTE [ Synchronous GETs ] in
+``savable_loader/_s3_client.py``), so each round measures that change too.
 
 Run: ``python benchmarks/bench_client_cost.py`` (``--quick``: 1 round, prints only).
 """
@@ -27,11 +29,12 @@ Run: ``python benchmarks/bench_client_cost.py`` (``--quick``: 1 round, prints on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,21 +44,36 @@ import fsspec
 from remote_cache import upload
 
 from savable_loader import SavableDataLoader
+from savable_loader import _s3_client as s3_client
 
 #: The configurations measured, each against its local one (``bench_remote.build``).
 CONFIGS = {
-    "tar": {"local:counts": "local:counts", "s3-cache:counts": "local:counts"},
-    "table": {"local": "local", "s3-direct": "local", "s3-cache": "local"},
+    "tar": {
+        "local:counts": "local:counts",
+        "s3-cache:counts": "local:counts",
+        "s3-cache:counts/s3fs": "local:counts",
+    },
+    "table": {
+        "local": "local",
+        "s3-direct": "local",
+        "s3-direct/s3fs": "local",
+        "s3-cache": "local",
+        "s3-cache/s3fs": "local",
+    },
 }
+#: A configuration ending so sends every request through s3fs, as before the library's
+#: own GETs went through botocore's synchronous client (NOTE [ Synchronous GETs ] in
+#: ``savable_loader/_s3_client.py``): the change's effect, measured in the same rounds.
+VIA_S3FS = "/s3fs"
 #: The data: tar shards of ~100 KB samples and a table of 16 KB files, as bench_remote's.
 SIZES = bench_remote.Sizes(
-    tar_shards=8,
-    tar_samples=100,
+    tar_shards=12,
+    tar_samples=150,
     jsonl_files=1,
     jsonl_lines=1,
     token_files=1,
     token_count=bench_remote.SEQ_LEN,
-    table_rows=2000,
+    table_rows=3000,
 )
 GETS = 300
 
@@ -177,6 +195,24 @@ def download_costs(options: dict[str, Any], keys: list[str], folder: Path) -> di
     return costs
 
 
+@contextlib.contextmanager
+def through_s3fs(on: bool) -> Iterator[None]:
+    """With ``on``, this process and the workers it forks send every request through s3fs
+    (:data:`VIA_S3FS`)."""
+    if not on:
+        yield
+        return
+    build, clients = s3_client._build, dict(s3_client._CLIENTS)
+    s3_client._build = lambda fs: None
+    s3_client._CLIENTS.clear()
+    try:
+        yield
+    finally:
+        s3_client._build = build
+        s3_client._CLIENTS.clear()
+        s3_client._CLIENTS.update(clients)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -200,6 +236,11 @@ def main() -> None:
         }
         main_fs = fsspec.filesystem("s3", **options)
         bench_remote.write_counts(root, ["tar"], options)
+        # The process's clients (s3fs's, and botocore's of NOTE [ Synchronous GETs ]) are
+        # built before the measurements, as bench_remote.py builds s3fs's once per run.
+        main_fs.connect()
+        with s3_client.get_object(main_fs, bench_remote.BUCKET, "tar/counts.json", "bytes=0-0"):
+            pass
         keys = [f"table/files/{row:06d}.bin" for row in range(GETS)]
         shards = [f"tar/shard-{shard:03d}.tar" for shard in range(SIZES.tar_shards)]
         # Every round measures every configuration and the floors, in a rotated order,
@@ -217,9 +258,11 @@ def main() -> None:
                     figures.update(download_costs(options, shards, Path(tmp)))
                 else:
                     name, config = step.split()
-                    cache = Path(tmp) / f"cache-{name}-{config}-{round_}"
-                    make = functools.partial(bench_remote.build, name, config, root, options, cache)
-                    figures[step] = loader_cpu(make, units)["cpu_ms_per_item"]
+                    cache = Path(tmp) / f"cache-{name}-{config.replace('/', '-')}-{round_}"
+                    plain = config.removesuffix(VIA_S3FS)
+                    make = functools.partial(bench_remote.build, name, plain, root, options, cache)
+                    with through_s3fs(config.endswith(VIA_S3FS)):
+                        figures[step] = loader_cpu(make, units)["cpu_ms_per_item"]
                     main_fs.invalidate_cache()  # every measurement lists its files anew
             runs.append(figures)
             print(f"  round {round_ + 1}/{rounds}", flush=True)
