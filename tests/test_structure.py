@@ -23,6 +23,7 @@ DATASETS_MAY_IMPORT = (
     "state",
     "storage",
     "_filesystems",
+    "_s3_client",
     "datasets",
 )
 
