@@ -41,7 +41,6 @@ from typing import Any
 import bench_remote
 import common
 import fsspec
-from remote_cache import upload
 
 from savable_loader import SavableDataLoader
 from savable_loader import _s3_client as s3_client
@@ -225,17 +224,7 @@ def main() -> None:
     server = bench_remote.Server(inline=False)
     runs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, server.running():
-        root = Path(tmp) / "data"
-        root.mkdir()
-        bench_remote.write_data(root, SIZES)
-        upload(root, server.url, bench_remote.BUCKET, threads=8)
-        options = {
-            "key": "k",
-            "secret": "s",
-            "client_kwargs": {"endpoint_url": server.url, "region_name": "us-east-1"},
-        }
-        main_fs = fsspec.filesystem("s3", **options)
-        bench_remote.write_counts(root, ["tar"], options)
+        root, options, main_fs = bench_remote.stage(Path(tmp), server.url, SIZES, ["tar"])
         # The process's clients (s3fs's, and botocore's of NOTE [ Synchronous GETs ]) are
         # built before the measurements, as bench_remote.py builds s3fs's once per run.
         main_fs.connect()

@@ -29,8 +29,6 @@ from typing import Any
 
 import bench_remote
 import common
-import fsspec
-from remote_cache import upload
 
 from savable_loader import SavableDataLoader
 
@@ -78,17 +76,7 @@ def main() -> None:
     runs: dict[str, dict[str, list[float]]] = {}
     requests: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, server.running():
-        root = Path(tmp) / "data"
-        root.mkdir()
-        bench_remote.write_data(root, sizes)
-        upload(root, server.url, bench_remote.BUCKET, threads=8)
-        options = {
-            "key": "k",
-            "secret": "s",
-            "client_kwargs": {"endpoint_url": server.url, "region_name": "us-east-1"},
-        }
-        main_fs = fsspec.filesystem("s3", **options)
-        bench_remote.write_counts(root, list(CONFIGS), options)
+        root, options, main_fs = bench_remote.stage(Path(tmp), server.url, sizes, list(CONFIGS))
         server.set_latency(args.latency)
         for name, (remote, local) in CONFIGS.items():
             warm = Path(tmp) / f"warm-{name}"

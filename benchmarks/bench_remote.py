@@ -354,6 +354,27 @@ def write_counts(root: Path, names: list[str], options: dict[str, Any]) -> None:
             remote.write_counts(f"s3://{BUCKET}/{name}/counts.json")
 
 
+def stage(tmp: Path, url: str, sizes: Sizes, names: list[str]) -> tuple[Path, dict[str, Any], Any]:
+    """Writes the sources' files under ``tmp / "data"``, uploads them to the server at
+    ``url`` and writes the counts files of ``names``; returns the data folder, the storage
+    options that reach the server, and this process's S3 filesystem. That filesystem, the
+    one the sources find in fsspec's instance cache, is built once per run: it takes a
+    second of CPU, and an S3 client that a forked worker inherits and drops logs "Task
+    exception was never retrieved" there."""
+    root = tmp / "data"
+    root.mkdir()
+    write_data(root, sizes)
+    upload(root, url, BUCKET, threads=8)
+    options = {
+        "key": "k",
+        "secret": "s",
+        "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"},
+    }
+    main_fs = fsspec.filesystem("s3", **options)
+    write_counts(root, names, options)
+    return root, options, main_fs
+
+
 def cost(units: int, item: Any) -> int:
     """The per-item CPU cost; the item itself is dropped (only its reading is measured)."""
     common.burn(units)
@@ -480,20 +501,7 @@ def main() -> None:
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, server.running():
         creation_us = file_creation_us(Path(tmp))
-        root = Path(tmp) / "data"
-        root.mkdir()
-        write_data(root, sizes)
-        upload(root, server.url, BUCKET, threads=8)
-        options = {
-            "key": "k",
-            "secret": "s",
-            "client_kwargs": {"endpoint_url": server.url, "region_name": "us-east-1"},
-        }
-        # This process's S3 client, the one the sources find in fsspec's instance cache,
-        # is built once per run: it takes a second of CPU, and an S3 client that a forked
-        # worker inherits and drops logs "Task exception was never retrieved" there.
-        main_fs = fsspec.filesystem("s3", **options)
-        write_counts(root, names, options)
+        root, options, main_fs = stage(Path(tmp), server.url, sizes, names)
         server.set_latency(args.latency)
         for name in names:
             configs = list(BASELINES[name])
