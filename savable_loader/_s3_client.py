@@ -95,6 +95,9 @@ def get_object(fs: Any, bucket: str, key: str, span: str) -> Iterator[dict[str, 
 
 
 def _client(fs: Any) -> Any:
+    built = _CLIENTS.get(fs)  # every GET asks: no lock once this process has built it
+    if built is not None and built[0] == os.getpid():
+        return built[1]
     with _LOCK:
         built = _CLIENTS.get(fs)
         if built is not None and built[0] == os.getpid():
