@@ -19,6 +19,7 @@ __all__ = [
     "ConfigError",
     "DatasetError",
     "SavableLoaderError",
+    "SingleProcessTrainerWarning",
     "StateError",
     "StateFileNotFoundError",
     "StateFormatError",
@@ -126,4 +127,15 @@ class ApproximateResumeWarning(UserWarning):
 
     The message says which stage could not move its position and what the resumed
     stream repeats or skips (NOTE [ Elastic resume ] in ``datasets/elastic.py``).
+    """
+
+
+class SingleProcessTrainerWarning(UserWarning):
+    """The loader shards by rank while the trainer trains on a single process.
+
+    Issued by the trainer integrations (``savable_loader.integrations``) when
+    ``torch.distributed`` (or the launcher's ``WORLD_SIZE``) counts several processes but
+    the trainer reports one: each process then trains a model of its own. The message
+    names the trainer's setting that fixes it (``Accelerator(cpu=True)``,
+    ``TrainingArguments(use_cpu=True)``, the Lightning ``Trainer``'s ``devices``).
     """

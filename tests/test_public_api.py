@@ -15,6 +15,7 @@ def test_all_is_sorted_and_pinned():
         "SavableDataLoader",
         "SavableDataset",
         "SavableLoaderError",
+        "SingleProcessTrainerWarning",
         "StateError",
         "StateFileNotFoundError",
         "StateFormatError",

@@ -1,9 +1,9 @@
 """Hugging Face Accelerate: a loader whose position rides in ``accelerator.save_state``.
 
-Install with the ``accelerate`` extra (``pip install savable-loader[accelerate]``). Build an
-:class:`AccelerateSavableDataLoader` after the ``Accelerator``, pass it through
-``accelerator.prepare(...)`` with the model and optimizer (it comes back unchanged) and
-register it with ``accelerator.register_for_checkpointing(loader)``;
+Install with the ``accelerate`` extra (``python3 -m pip install ".[accelerate]"`` from a
+checkout). Build an :class:`AccelerateSavableDataLoader` after the ``Accelerator``, pass
+it through ``accelerator.prepare(...)`` with the model and optimizer (it comes back
+unchanged) and register it with ``accelerator.register_for_checkpointing(loader)``;
 ``accelerator.load_state(folder)`` then puts the data stream back where
 ``accelerator.save_state(folder)`` left it, on one process or on several.
 
@@ -54,17 +54,23 @@ from typing import Any
 
 from ..distributed import every_rank_state_dict as _every_rank
 from ..loader import SavableDataLoader
+from ._processes import warn_if_single_process
 
 try:
-    from accelerate.state import PartialState
+    from accelerate.state import AcceleratorState, PartialState, is_initialized
     from accelerate.utils import send_to_device
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "savable_loader.integrations.accelerate needs Hugging Face Accelerate: "
-        "pip install 'savable-loader[accelerate]'"
+        'python3 -m pip install ".[accelerate]" in a checkout of savable_loader'
     ) from error
 
 __all__ = ["AccelerateSavableDataLoader", "every_rank_state_dict"]
+
+_FIX = (
+    "on a CPU machine, build the Accelerator with cpu=True (or start the script with "
+    "`accelerate launch --cpu`) so that it trains on every process"
+)
 
 
 def every_rank_state_dict(loader: SavableDataLoader[Any]) -> dict[str, bytes]:
@@ -109,16 +115,28 @@ class AccelerateSavableDataLoader(SavableDataLoader[Any]):
 
     Raises:
         ConfigError: As :class:`~savable_loader.SavableDataLoader`.
+
+    Warns:
+        SingleProcessTrainerWarning: The ``Accelerator`` reports one process while the
+            loader shards over several ranks, or ``WORLD_SIZE`` counts several (NOTE [ A
+            trainer that sees one process ] in ``_processes.py``).
     """
 
     #: Read by ``Accelerator.prepare_data_loader``: a loader it leaves as it is.
     _is_accelerate_prepared = True
+    #: Whether ``__init__`` compares the ``Accelerator``'s processes with the loader's
+    #: ranks (the Hugging Face ``Trainer``'s loader leaves it to the ``Trainer``).
+    _checks_processes = True
 
     def __init__(
         self, dataset: Any, *args: Any, device_placement: bool = True, **kwargs: Any
     ) -> None:
         super().__init__(dataset, *args, **kwargs)
         self._device_placement = device_placement
+        if self._checks_processes and is_initialized():
+            # NOTE [ A trainer that sees one process ] in _processes.py
+            processes = AcceleratorState().num_processes
+            warn_if_single_process(self, processes, "accelerator.num_processes", _FIX)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """Returns an iterator over the stream, each batch on the process's device."""

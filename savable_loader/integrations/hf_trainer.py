@@ -1,6 +1,7 @@
 """Hugging Face ``Trainer``: ``resume_from_checkpoint`` restores the loader's position.
 
-Install with the ``transformers`` extra (``pip install savable-loader[transformers]``).
+Install with the ``transformers`` extra (``python3 -m pip install ".[transformers]"`` from
+a checkout).
 Use :class:`SavableTrainer` in place of ``transformers.Trainer`` with
 ``TrainingArguments(..., ignore_data_skip=True)``; ``trainer.train(resume_from_checkpoint=...)``
 then continues the data stream where the checkpoint left it, without reading the skipped
@@ -50,6 +51,7 @@ from typing import Any
 from ..distributed import restore_state_global, save_state_global
 from ..errors import ConfigError, StateFileNotFoundError
 from ..state.files import load_state, save_state
+from ._processes import warn_if_single_process
 from .accelerate import AccelerateSavableDataLoader
 
 try:
@@ -58,13 +60,18 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "savable_loader.integrations.hf_trainer needs Hugging Face transformers: "
-        "pip install 'savable-loader[transformers]'"
+        'python3 -m pip install ".[transformers]" in a checkout of savable_loader'
     ) from error
 
 __all__ = ["STATE_FILE", "SavableLoaderCallback", "SavableTrainer", "TrainerSavableDataLoader"]
 
 #: The loader's state file in a checkpoint folder.
 STATE_FILE = "savable_loader_state.msgpack"
+
+_FIX = (
+    "on a CPU machine, pass TrainingArguments(..., use_cpu=True) so that the Trainer "
+    "trains on every process (DDP over gloo)"
+)
 
 
 class _EpochIterator(Iterator[Any]):
@@ -93,6 +100,10 @@ class TrainerSavableDataLoader(AccelerateSavableDataLoader):
     Raises:
         ConfigError: As :class:`~savable_loader.SavableDataLoader`.
     """
+
+    #: The ``Trainer`` reports its processes as ``args.world_size``, which
+    #: :class:`SavableLoaderCallback` compares with the loader's ranks.
+    _checks_processes = False
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """Returns an iterator over one epoch, each batch on the process's device."""
@@ -157,7 +168,15 @@ class SavableLoaderCallback(transformers.TrainerCallback):
             ConfigError: The checkpoint stands mid-epoch and ``gradient_accumulation_steps``
                 does not divide the epoch's batches (NOTE [ What the Trainer does with a
                 loader on resume ], limits).
+
+        Warns:
+            SingleProcessTrainerWarning: ``args.world_size`` is 1 (``parallel_mode``
+                ``NOT_PARALLEL``) while the loader shards over several ranks, or
+                ``WORLD_SIZE`` counts several (NOTE [ A trainer that sees one process ] in
+                ``_processes.py``).
         """
+        for loader in _loaders(kwargs.get("train_dataloader")):
+            warn_if_single_process(loader, args.world_size, "TrainingArguments.world_size", _FIX)
         folder, self.resume_folder = self.resume_folder, None
         if folder is None:
             return

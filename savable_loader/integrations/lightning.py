@@ -1,9 +1,10 @@
 """PyTorch Lightning: a loader whose position rides in the ``Trainer``'s own checkpoint.
 
-Install with the ``lightning`` extra (``pip install savable-loader[lightning]``). Return a
-:class:`LightningSavableDataLoader` from ``train_dataloader()`` and pass
-:class:`SavableLoaderCallback` to the ``Trainer``; ``trainer.fit(..., ckpt_path="last")``
-then resumes the data stream exactly, on one process or with ``strategy="ddp"``.
+Install with the ``lightning`` extra (``python3 -m pip install ".[lightning]"`` from a
+checkout). Return a :class:`LightningSavableDataLoader` from ``train_dataloader()`` and
+pass :class:`SavableLoaderCallback` to the ``Trainer``; ``trainer.fit(...,
+ckpt_path="last")`` then resumes the data stream exactly, on one process or with
+``strategy="ddp"``.
 
 NOTE [ What Lightning does with a stateful loader ]
 Lightning (2.x) treats any train loader with ``state_dict()`` and ``load_state_dict()`` as
@@ -52,16 +53,22 @@ from typing import Any
 from ..distributed import every_rank_state_dict
 from ..errors import SavableLoaderError
 from ..loader import SavableDataLoader
+from ._processes import warn_if_single_process
 
 try:
     import lightning.pytorch as pl
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "savable_loader.integrations.lightning needs PyTorch Lightning: "
-        "pip install 'savable-loader[lightning]'"
+        'python3 -m pip install ".[lightning]" in a checkout of savable_loader'
     ) from error
 
 __all__ = ["LightningSavableDataLoader", "SavableLoaderCallback"]
+
+_FIX = (
+    "give the Trainer as many processes as the launcher starts (devices per machine and "
+    'num_nodes, with strategy="ddp")'
+)
 
 
 class _EpochIterator:
@@ -147,6 +154,15 @@ def _stateful_train_loaders(trainer: pl.Trainer) -> list[Any]:
     ]
 
 
+def _check_processes(trainer: pl.Trainer, loaders: list[Any]) -> None:
+    """Warns if ``trainer`` trains on one process while a loader shards over several ranks
+    or the launcher started several (NOTE [ A trainer that sees one process ] in
+    ``_processes.py``)."""
+    for loader in loaders:
+        if isinstance(loader, LightningSavableDataLoader):
+            warn_if_single_process(loader, trainer.world_size, "the Trainer's world_size", _FIX)
+
+
 class SavableLoaderCallback(pl.Callback):
     """Restores :class:`LightningSavableDataLoader` states Lightning does not restore.
 
@@ -172,11 +188,16 @@ class SavableLoaderCallback(pl.Callback):
         Raises:
             SavableLoaderError: The checkpoint holds another number of loader states than
                 the train loaders with a state.
+
+        Warns:
+            SingleProcessTrainerWarning: ``trainer.world_size`` is 1 while a loader shards
+                over several ranks, or ``WORLD_SIZE`` counts several.
         """
+        loaders = _stateful_train_loaders(trainer)
+        _check_processes(trainer, loaders)
         states, self._states = self._states, None
         if states is None:
             return
-        loaders = _stateful_train_loaders(trainer)
         if len(loaders) != len(states):
             raise SavableLoaderError(
                 f"the checkpoint holds {len(states)} loader states but the trainer has "
