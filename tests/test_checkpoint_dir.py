@@ -4,21 +4,30 @@ killed half-way leaves the previous checkpoint valid, and a restore reads what i
 
 from __future__ import annotations
 
+import hashlib
 import os
+import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
-from gloo import in_rank_order, run_ranks
+from gloo import in_rank_order, outcome, run_ranks
 
+import savable_loader.checkpoint_dir as module
 from savable_loader import (
     SavableDataLoader,
     StateFileNotFoundError,
     StateFormatError,
+    StorageError,
     WorkerConfig,
     load_checkpoint,
     save_checkpoint,
+    save_state,
+    serialization,
+    storage,
 )
 
 N, BATCH = 29, 3
@@ -112,6 +121,118 @@ def test_earlier_saves_are_removed_once_the_new_one_is_complete(tmp_path: Path) 
     assert len([p for p in folder.iterdir() if p.is_dir()]) == 1
 
 
+@pytest.fixture(params=["local", "memory"])
+def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh folder, local or ``memory://``, that the checkpoint directory goes into."""
+    if request.param == "local":
+        yield str(tmp_path)
+    else:
+        yield f"memory://savable-loader-tests/{uuid.uuid4().hex}"
+
+
+def _names(url: str) -> set[str]:
+    fs, path = fsspec.url_to_fs(url)
+    return {str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)}
+
+
+def _write(url: str, data: bytes) -> None:
+    fs, path = fsspec.url_to_fs(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, data)
+
+
+def _save_id(folder: str) -> str:
+    return str(serialization.loads(storage.read_bytes(f"{folder}/metadata.msgpack"))["save"])
+
+
+def test_a_save_removes_only_the_files_the_previous_metadata_lists(base: str) -> None:
+    folder = f"{base}/ckpt"
+    run = uuid.uuid4().hex  # a user's folder named by a uuid4 (an MLflow run id)
+    digest = hashlib.md5(b"data").hexdigest()  # a user's file named by its MD5
+    _write(f"{folder}/{run}/params.json", b"{}")
+    _write(f"{folder}/{digest}", b"data")
+    with _loader() as loader:
+        _ids(loader, 1)
+        save_checkpoint(loader, folder)
+        first = _save_id(folder)
+        _write(f"{folder}/{first}/notes.txt", b"mine")  # the user's, in the library's folder
+        _ids(loader, 1)
+        save_checkpoint(loader, folder)
+        second = _save_id(folder)
+        assert _names(folder) == {"metadata.msgpack", run, digest, first, second}
+        _ids(loader, 1)
+        save_checkpoint(loader, folder)
+        third = _save_id(folder)
+        rest = _ids(loader)
+    assert _names(folder) == {"metadata.msgpack", run, digest, first, third}
+    assert _names(f"{folder}/{run}") == {"params.json"}
+    assert _names(f"{folder}/{first}") == {"notes.txt"}  # the rank file went, the folder stays
+    assert _names(f"{folder}/{third}") == {"rank-0.msgpack"}
+    with _loader() as resumed:
+        load_checkpoint(resumed, folder)
+        assert _ids(resumed) == rest
+
+
+def test_a_save_over_forged_metadata_removes_nothing_it_names(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep me")
+    with _loader() as loader:
+        save_checkpoint(loader, folder)
+        save = _save_id(str(folder))
+        _forge(str(folder), files=["../victim.txt"], save=save)
+        save_checkpoint(loader, folder)
+    assert victim.read_bytes() == b"keep me"
+
+
+def _forge(folder: str, **fields: Any) -> None:
+    """Rewrites the metadata of ``folder`` with ``fields`` changed."""
+    url = f"{folder}/metadata.msgpack"
+    payload = serialization.loads(storage.read_bytes(url))
+    assert isinstance(payload, dict)
+    storage.write_bytes(url, serialization.dumps({**payload, **fields}))
+
+
+@pytest.mark.parametrize("entry", ["outside", "other save", "other rank", "order"])
+def test_a_load_reads_only_the_files_the_library_writes(
+    base: str, entry: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, other = f"{base}/ckpt", uuid.uuid4().hex
+    with _loader() as loader:
+        _ids(loader, 1)
+        save_checkpoint(loader, folder)
+        save = _save_id(folder)
+        _ids(loader, 2)
+        # Valid states where the forged names lead, so that reading them would succeed.
+        save_state(loader.save_state_rank(), f"{base}/outside/state.msgpack")
+        save_state(loader.save_state_rank(), f"{folder}/{other}/rank-0.msgpack")
+    files, world_size = {
+        "outside": (["../outside/state.msgpack"], 1),
+        "other save": ([f"{other}/rank-0.msgpack"], 1),
+        "other rank": ([f"{save}/rank-1.msgpack"], 1),
+        "order": ([f"{save}/rank-1.msgpack", f"{save}/rank-0.msgpack"], 2),
+    }[entry]
+    _forge(folder, files=files, world_size=world_size)
+    opened: list[str] = []
+    monkeypatch.setattr(module, "load_state", lambda url, **kwargs: opened.append(url))
+    with _loader() as loader, pytest.raises(StateFormatError) as info:
+        load_checkpoint(loader, folder)
+    assert repr(files[0]) in str(info.value)
+    assert opened == []
+
+
+def test_a_load_error_quotes_no_bytes_of_a_file_outside(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    (tmp_path / "secret.txt").write_bytes(b"TOPSECRET password")
+    with _loader() as loader:
+        save_checkpoint(loader, folder)
+    _forge(str(folder), files=["../secret.txt"])
+    with _loader() as loader, pytest.raises(StateFormatError) as info:
+        load_checkpoint(loader, folder)
+    assert "TOPSECRE" not in str(info.value)
+    assert "'../secret.txt'" in str(info.value)
+
+
 def test_a_damaged_metadata_file_is_a_state_error(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     with _loader() as loader:
@@ -151,7 +272,24 @@ def _job_restore(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     return {"rest": rest, "next": after, "opened": opened}
 
 
-_JOBS = {"save": _job_save, "restore": _job_restore}
+def _job_metadata_fails(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    """Every rank saves; rank 0's write of the metadata fails."""
+    real = storage.write_bytes
+
+    def failing(url: Any, data: bytes, **kwargs: Any) -> None:
+        if os.fspath(url).endswith(module.METADATA):
+            raise StorageError(f"Cannot write {url}: the disk is full.")
+        real(url, data, **kwargs)
+
+    if rank == 0:
+        storage.write_bytes = failing  # type: ignore[assignment]
+    with _loader(rank, world_size) as loader:
+        _ids(loader, 1)
+        name, message, _ = outcome(lambda: save_checkpoint(loader, tmp / "ckpt-failed"))
+    return {"error": name, "message": message}
+
+
+_JOBS = {"save": _job_save, "restore": _job_restore, "metadata_fails": _job_metadata_fails}
 
 
 def _launch(job: str, world_size: int, tmp: Path) -> list[dict[str, Any]]:
@@ -191,3 +329,11 @@ def test_ranks_write_their_own_files_and_restore_on_the_same_or_another_layout(
         with _loader(rank, 3, num_workers=1) as fresh:
             _ids(fresh)
             assert report["next"] == _ids(fresh), f"rank {rank}: the next epoch differs"
+
+
+@pytest.mark.slow
+def test_every_rank_raises_when_the_metadata_write_fails(tmp_path: Path) -> None:
+    reports = _launch("metadata_fails", 2, tmp_path)
+    assert [report["error"] for report in reports] == ["StorageError", "StorageError"]
+    assert "the disk is full" in reports[1]["message"]
+    assert not (tmp_path / "ckpt-failed" / "metadata.msgpack").exists()
