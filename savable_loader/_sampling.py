@@ -31,6 +31,42 @@ afterwards, so a restore never changes the training loop's own global generators
 A sampler's own position rides along: its ``state_dict()`` when it has one, and the
 ``epoch`` that ``DistributedSampler.set_epoch`` sets. An epoch resumed mid-way must be
 drawn with the epoch it was saved in: a different one is an error naming both.
+
+NOTE [ Endless samplers ]
+Torch reads a sampler lazily, so one that never ends (detectron2's ``TrainingSampler``,
+``while True: yield from randperm(n)``) gives an epoch that never ends. The rule here:
+
+- The start of an epoch reads the sampler into buffers as above, but no further than a
+  bound: ``len(sampler)`` groups (batches with automatic batching, else indices) when it
+  has a ``len()``, and at most :data:`SIZED_BOUND` indices; :data:`UNSIZED_BOUND` groups
+  and indices when it has none. A sampler that ends within the bound is the epoch's order.
+- One that gives more (an endless sampler, or one giving more than its ``len()``) is read
+  lazily. The epoch's order is what the sampler gives from ``start``: the generators just
+  before the epoch's first read of it (the loader's and the sampler's generators, its
+  ``state_dict()``, the global generators, after the base seed). The main process drops
+  its buffers and puts every generator back at ``start``. Each worker (the main process
+  without workers) reads its own copy of the sampler (fork's copy, the one pickled with
+  the pipeline under spawn or forkserver, the sampler itself without workers) from
+  ``start``, with ``start``'s global generators swapped in around each read of a few
+  hundred groups, and keeps group ``g`` when ``g % num_workers`` is its id: torch's
+  round-robin, so the stream is torch's (for a sampler drawing from the global
+  generators, when nothing else draws from them between ``iter()`` and the reads, as
+  torch reads them in the main process).
+- A save carries ``start`` (the state's ``before``) and each worker's count; a restore
+  reads the copy anew from ``start`` and drops the groups already read (their items are
+  not fetched): time in the position, no memory. Each worker reads every group of the
+  epoch, its own and the others'.
+- Before the copies are trusted, the main process reads the first groups anew from
+  ``start``. A sampler that gives others (its ``__iter__`` goes on with a stream kept
+  across calls: mmengine's ``InfiniteSampler`` makes one generator in ``__init__``; a
+  generator object passed as the sampler) is refused with a ``ConfigError`` naming it,
+  after the bounded read: no copy of it could restart the epoch.
+- ``len(loader)`` is torch's (the sampler's ``len()``, a ``TypeError`` without one). If a
+  lazily read epoch ends (a sampler longer than its ``len()``), the next epoch's draw
+  first reads that epoch through in the main process, dropping what it gives, so the
+  generators continue where torch's reading leaves them. Where such an epoch ends is not
+  known at a save: its state has ``after == before``, and a restore between epochs reads
+  the epoch through the same way.
 """
 
 from __future__ import annotations
@@ -40,38 +76,21 @@ from typing import Any
 import torch
 
 from . import rng
+from .datasets.lazy_order import LazyOrder, apply_snapshot, find_generators, stateful_inner
 from .datasets.sampled import EpochOrder
 from .errors import StateError, StateMismatchError
 from .plain import find_non_plain
 from .state.models import OrderSnapshot, OrderState, RngState
 
-__all__ = ["EpochPlanner"]
+__all__ = ["SIZED_BOUND", "UNSIZED_BOUND", "EpochPlanner"]
 
+#: Indices (and index groups) read at the start of an epoch from a sampler without a
+#: ``len()`` before it is read lazily instead (NOTE [ Endless samplers ]).
+UNSIZED_BOUND = 1 << 16
 
-def _generators(*objects: Any) -> list[torch.Generator]:
-    """The distinct torch generators of the loader and its sampler (and the sampler a
-    batch sampler wraps), in a fixed order."""
-    found: list[torch.Generator] = []
-    seen: dict[int, Any] = {}  # by id, holding each object so that no id is reused
-    # Breadth first, a few levels down: a sampler that holds itself (a cycle) or makes a
-    # new object on every read (a Mock) must not keep this walking.
-    pending = [(obj, 0) for obj in objects]
-    while pending:
-        obj, depth = pending.pop(0)
-        if obj is None or id(obj) in seen or depth > _MAX_NESTING:
-            continue
-        seen[id(obj)] = obj
-        if isinstance(obj, torch.Generator):
-            found.append(obj)
-            continue
-        pending.append((getattr(obj, "generator", None), depth + 1))
-        pending.append((getattr(obj, "sampler", None), depth + 1))
-    return found
-
-
-#: How deep samplers are searched for generators: torch nests two (a batch sampler's
-#: sampler's generator); wrappers of those add a few.
-_MAX_NESTING = 8
+#: Indices read at the start of an epoch from a sampler with a ``len()`` before it is read
+#: lazily instead, whatever its length says (NOTE [ Endless samplers ]).
+SIZED_BOUND = 1 << 27
 
 
 class EpochPlanner:
@@ -97,19 +116,21 @@ class EpochPlanner:
         self.generator = generator
         self.draws_every_epoch = draws_every_epoch
         self.batched = batched
-        self._generators = _generators(generator, index_sampler)
+        self._generators = find_generators(generator, index_sampler)
         self.order = EpochOrder()
         #: How the current epoch was drawn (None: no epoch drawn yet).
         self.state: OrderState | None = None
         #: After a restore: the snapshot the next draw starts from, and whether that
         #: draw must be of the saved epoch (a mid-epoch restore).
         self._pending: tuple[OrderSnapshot, int | None] | None = None
+        #: The current epoch was read lazily: where its draws end is learnt by reading
+        #: it through when the next epoch is drawn (NOTE [ Endless samplers ]).
+        self._lazy = False
 
     @property
     def sampler(self) -> Any:
         """The sampler whose ``state_dict``/``epoch`` is saved (inside a batch sampler)."""
-        inner = getattr(self.index_sampler, "sampler", None)
-        return inner if inner is not None else self.index_sampler
+        return stateful_inner(self.index_sampler)
 
     def needs_draw(self, epoch: int) -> bool:
         """Whether epoch ``epoch``'s draws are still to make (not when workers restart
@@ -145,28 +166,71 @@ class EpochPlanner:
             with own:
                 base_seed = self._draw(epoch)
             after = self._snapshot(own.snapshot.to_state())
+        self._lazy = self.order.lazy is not None
+        if self._lazy:  # NOTE [ Endless samplers ]: where it ends is learnt if it does
+            after = before
         self.state = OrderState(epoch=epoch, before=before, after=after)
         return base_seed
 
     def _previous_after(self) -> OrderSnapshot:
+        """The generators where the previous epoch's draws left them, which they hold."""
         if self.state is None:
             raise StateError("internal error: no previous draw; please report")
-        return self.state.after
+        if not self._lazy:
+            return self.state.after
+        # NOTE [ Endless samplers ]: the epoch read lazily ended; read it through again.
+        before = self.state.before
+        self._apply(before, None)
+        own = rng.OwnGenerators.of(before.rng)
+        with own:
+            self._draw_base_seed(self.state.epoch)
+            for _ in self.index_sampler:
+                pass
+        self._lazy = False
+        return self._snapshot(own.snapshot.to_state())
+
+    def _draw_base_seed(self, epoch: int) -> int | None:
+        if not (self.draws_every_epoch or epoch == 0):
+            return None
+        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
 
     def _draw(self, epoch: int) -> int | None:
-        base_seed = None
-        if self.draws_every_epoch or epoch == 0:
-            base_seed = int(
-                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
-            )
+        base_seed = self._draw_base_seed(epoch)
         if self.index_sampler is not None:
             # The previous epoch's order goes first, so two epochs never coexist.
             self.order.clear()
-            fresh = EpochOrder.of(epoch, self.index_sampler, batched=self.batched)
+            start = self._snapshot(rng.capture().to_state())
+            fresh, first = EpochOrder.read(
+                epoch, self.index_sampler, batched=self.batched, bound=self._bound()
+            )
             order = self.order
-            order.indices, order.offsets, order.kind = fresh.indices, fresh.offsets, fresh.kind
+            if fresh is None:
+                order.lazy = self._lazily(start, first)
+            else:
+                order.indices, order.offsets, order.kind = fresh.indices, fresh.offsets, fresh.kind
             self.order.epoch = epoch
         return base_seed
+
+    def _bound(self) -> tuple[int, int]:
+        """How far the sampler is read at the start of an epoch: (groups, indices)."""
+        try:
+            length = len(self.index_sampler)
+        except (TypeError, ValueError, NotImplementedError):
+            return UNSIZED_BOUND, UNSIZED_BOUND
+        return min(length, SIZED_BOUND), SIZED_BOUND
+
+    def _lazily(self, start: OrderSnapshot, first: list[Any]) -> LazyOrder:
+        """The order of an epoch whose sampler gave more than its bound (NOTE [ Endless
+        samplers ]); the generators are put back where its reading started."""
+        rng.apply(rng.RngSnapshot.from_state(start.rng))
+        lazy = LazyOrder(self.generator, self.index_sampler, start, self._name())
+        lazy.check_restarts(first)
+        apply_snapshot(self._generators, self.sampler, start)
+        return lazy
+
+    def _name(self) -> str:
+        outer, inner = type(self.index_sampler).__name__, type(self.sampler).__name__
+        return outer if self.sampler is self.index_sampler else f"{outer}({inner})"
 
     def restore(self, state: OrderState | None, *, epoch: int, between_epochs: bool) -> None:
         """Makes the next draw continue ``state`` (None: from where things stand).
@@ -174,7 +238,7 @@ class EpochPlanner:
         Raises:
             StateError: ``state`` belongs to another epoch than the saved position.
         """
-        self.state = state
+        self.state, self._lazy = state, False
         if state is None:
             self._pending = None
             return
@@ -189,7 +253,12 @@ class EpochPlanner:
                 f"loader and its sampler have {len(self._generators)} generators; build the "
                 "loader with the same generator and sampler arguments as the saved one"
             )
-        self._pending = (state.after, None) if between_epochs else (state.before, epoch)
+        # NOTE [ Endless samplers ]: a lazily read epoch's state has ``after == before``.
+        self._lazy = state.after == state.before
+        if between_epochs:
+            self._pending = None if self._lazy else (state.after, None)
+        else:
+            self._pending = (state.before, epoch)
 
     def _snapshot(self, global_rng: RngState) -> OrderSnapshot:
         """The generators now, with ``global_rng`` as the global generators' part."""
@@ -222,11 +291,4 @@ class EpochPlanner:
                     f"{snapshot.sampler_epoch}; call sampler.set_epoch("
                     f"{snapshot.sampler_epoch}) before iterating, as the saved run did"
                 )
-        for generator, data in zip(self._generators, snapshot.generators, strict=True):
-            try:
-                generator.set_state(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            except RuntimeError as error:
-                raise StateError(f"a saved generator state does not fit: {error}") from None
-        load = getattr(sampler, "load_state_dict", None)
-        if snapshot.sampler is not None and callable(load):
-            load(snapshot.sampler)
+        apply_snapshot(self._generators, sampler, snapshot)

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ from ..errors import ConfigError, SavableLoaderError, StateError
 from ..state.names import qualified_name
 from .cursor import Cursor, StageState
 from .indexed import read_batch
+from .lazy_order import LazyOrder
 from .stage import Stage
 
 __all__ = ["EpochOrder", "SampledDataset"]
@@ -63,37 +65,67 @@ class EpochOrder:
         offsets: With automatic batching, group ``g`` is ``indices[offsets[g]:
             offsets[g + 1]]``; None: every index is a group of its own (an item).
         kind: The type of every index in an int64 ``indices``.
+        lazy: The sampler to read the epoch's groups from as they are needed, instead
+            of ``indices`` (NOTE [ Endless samplers ] in ``_sampling.py``); None: the
+            groups are in ``indices``.
     """
 
     epoch: int = -1
     indices: np.ndarray | list[Any] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     offsets: np.ndarray | None = None
     kind: type = int
+    lazy: LazyOrder | None = None
 
     @classmethod
     def of(cls, epoch: int, groups: Iterable[Any], *, batched: bool) -> EpochOrder:
-        """Builds the order of ``epoch`` by reading the sampler ``groups`` once, into int64
-        buffers while its indices are integers (NOTE [ Samplers are sources ])."""
-        flat = _Indices()
+        """Builds the order of ``epoch`` by reading the sampler ``groups`` to its end."""
+        order, _ = cls.read(epoch, groups, batched=batched, bound=(sys.maxsize, sys.maxsize))
+        if order is None:
+            raise SavableLoaderError("internal error: an unbounded read stopped; please report")
+        return order
+
+    @classmethod
+    def read(
+        cls, epoch: int, groups: Iterable[Any], *, batched: bool, bound: tuple[int, int]
+    ) -> tuple[EpochOrder | None, list[Any]]:
+        """Reads the sampler ``groups`` once, into int64 buffers while its indices are
+        integers (NOTE [ Samplers are sources ]), but no further than ``bound``: (groups,
+        indices) read at most.
+
+        Returns:
+            The order of ``epoch``, or None when the sampler gave more (NOTE [ Endless
+            samplers ] in ``_sampling.py``); and the first groups read.
+        """
+        flat, (max_groups, max_indices) = _Indices(), bound
         if not batched:
-            indices = iter(groups)
-            while chunk := list(itertools.islice(indices, _CHUNK)):
+            indices, limit = iter(groups), min(max_groups, max_indices)
+            first: list[Any] = []
+            while chunk := list(itertools.islice(indices, min(_CHUNK, limit + 1 - len(flat)))):
+                first = first or chunk[:_FIRST]
                 flat.extend(chunk)
-            return cls(epoch, flat.values(), None, flat.kind)
+                if len(flat) > limit:
+                    return None, first
+            return cls(epoch, flat.values(), None, flat.kind), first
         lengths: array[int] = array("q")
+        first = []
         for group in groups:
+            if len(first) < _FIRST:
+                first.append(group)
             start = len(flat)
             flat.extend(group)
             lengths.append(len(flat) - start)
+            if len(lengths) > max_groups or len(flat) > max_indices:
+                return None, first
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
-        return cls(epoch, flat.values(), offsets, flat.kind)
+        return cls(epoch, flat.values(), offsets, flat.kind), first
 
     def clear(self) -> None:
         """Forgets the epoch's groups (before the next epoch is read)."""
         self.epoch = -1
         self.indices = np.zeros(0, dtype=np.int64)
         self.offsets = None
+        self.lazy = None
 
     def __len__(self) -> int:
         """Groups in the epoch."""
@@ -112,6 +144,9 @@ class EpochOrder:
 
 #: Indices of an unbatched sampler read at a time.
 _CHUNK = 1 << 16
+
+#: Groups kept from the start of a read that went past its bound, to check a re-read.
+_FIRST = 64
 
 
 class _Indices:
@@ -214,30 +249,52 @@ class _SampledCursor(Cursor[Any]):
         self.epoch = 0
         self.pos = 0
         self.step = max(context.num_workers, 1)
+        #: With a lazy order: this worker's groups from ``_at`` of them on.
+        self._groups: Iterator[Any] | None = None
+        self._at = 0
 
-    def _share(self) -> int:
-        """Groups of the current epoch that fall to this worker."""
+    def _order(self) -> EpochOrder:
         order = self.stage.order
         if order.epoch != self.epoch:
             raise SavableLoaderError(
                 f"internal error: the sampler's order is for epoch {order.epoch} but the "
                 f"reading stands in epoch {self.epoch}; please report"
             )
-        return len(range(self.context.worker_id, len(order), self.step))
+        return order
 
-    def _read(self, pos: int) -> Any:
-        group = self.stage.order.group(self.context.worker_id + pos * self.step)
+    def _share(self) -> int:
+        """Groups of the current epoch that fall to this worker."""
+        return len(range(self.context.worker_id, len(self._order()), self.step))
+
+    def _next_group(self) -> Any:
+        """This worker's next group (from ``pos``); StopIteration at the epoch's end."""
+        order = self._order()
+        if order.lazy is None:
+            if self.pos >= self._share():
+                raise StopIteration
+            return order.group(self.context.worker_id + self.pos * self.step)
+        if self._groups is None or self._at != self.pos:
+            # NOTE [ Endless samplers ] in _sampling.py: resumed by count.
+            self._groups = order.lazy.share(self.context.worker_id, self.step, self.pos)
+            self._at = self.pos
+        group = next(self._groups)
+        self._at += 1
+        return group
+
+    def _read(self, group: Any) -> Any:
         data = self.stage.data
         if not self.stage.batched:
             return data[group]
         return read_batch(data, group)
 
     def __next__(self) -> Any:
-        if self.pos >= self._share():
+        try:
+            group = self._next_group()
+        except StopIteration:
             self.end_epoch()
-            raise StopIteration
+            raise
         self.pos += 1  # before the read: NOTE [ Going on after an error ] in _runtime.py
-        return self._read(self.pos - 1)
+        return self._read(group)
 
     def goes_on_after_error(self) -> bool:
         return True
@@ -248,7 +305,9 @@ class _SampledCursor(Cursor[Any]):
     def restore_own(self, state: Any | None) -> None:
         position = state if isinstance(state, _State) else _State(epoch=0, pos=0)
         self.epoch, self.pos = position.epoch, position.pos
-        if self.stage.order.epoch == self.epoch and self.pos > self._share():
+        self._groups = None
+        order = self.stage.order
+        if order.epoch == self.epoch and order.lazy is None and self.pos > self._share():
             raise StateError(
                 f"SampledDataset: position {self.pos} is past this worker's "
                 f"{self._share()} groups of epoch {self.epoch}; restore a state saved with "
@@ -258,12 +317,17 @@ class _SampledCursor(Cursor[Any]):
     def end_epoch(self) -> None:
         self.epoch += 1
         self.pos = 0
+        self._groups = None
 
     def skip_fast(self, n: int) -> int:
-        stop = min(self.pos + n, self._share())
-        for pos in range(self.pos, stop):
-            self._read(pos)
-        passed, self.pos = stop - self.pos, stop
-        if passed < n:
-            self.end_epoch()
+        passed = 0
+        while passed < n:
+            try:
+                group = self._next_group()
+            except StopIteration:
+                self.end_epoch()
+                break
+            self.pos += 1
+            passed += 1
+            self._read(group)
         return passed
