@@ -16,7 +16,11 @@ is written rank 0 removes the files of earlier saves in that directory.
 layout the save was taken on, each rank reads its own file only. On another layout
 (NOTE [ Elastic resume ] in ``datasets/elastic.py``) rank 0 reads every file and
 computes each rank's new state once, then scatters them (``restore_state_global`` with
-``src_rank=0``); every other rank reads nothing but the metadata. A directory without
+``src_rank=0``); every other rank reads nothing but the metadata. The metadata's file
+names are checked before any state file is read: each must be the name the library
+writes, ``<save id>/rank-<r>.msgpack`` with the metadata's save id and r its rank, in rank
+order, so a damaged or forged metadata file cannot make a load read (or a save remove) a
+file elsewhere, such as ``../outside/state.msgpack``. A directory without
 metadata (no checkpoint yet) raises :class:`~savable_loader.StateFileNotFoundError`,
 which ``except FileNotFoundError:`` catches. Files hold msgpack behind the checksummed
 header of every state file, never pickle.
@@ -74,7 +78,7 @@ def save_checkpoint(loader: Any, url: str | os.PathLike[str], **storage_options:
     root = _root(url)
     group = loader.worker_config.data_parallel_group if _initialized() else None
     save = _shared(uuid.uuid4().hex, group)
-    name = f"{save}/rank-{loader.rank}.msgpack"
+    name = _file_name(save, loader.rank)
     failure: BaseException | None = None
     try:
         save_state(loader.save_state_rank(), f"{root}/{name}", **storage_options)
@@ -88,7 +92,7 @@ def save_checkpoint(loader: Any, url: str | os.PathLike[str], **storage_options:
         save=save,
         world_size=loader.world_size,
         num_workers=loader.layout.num_workers,
-        files=[f"{save}/rank-{rank}.msgpack" for rank in range(loader.world_size)],
+        files=[_file_name(save, rank) for rank in range(loader.world_size)],
     )
     data = serialization.dumps(metadata.model_dump())
     storage.write_bytes(f"{root}/{METADATA}", data, **storage_options)
@@ -114,7 +118,9 @@ def load_checkpoint(
     Raises:
         StateFileNotFoundError: The directory holds no checkpoint (also a
             ``FileNotFoundError``); raised on every rank.
-        StateError: The checkpoint is malformed or does not fit this loader.
+        StateError: The checkpoint is malformed or does not fit this loader; also
+            (:class:`~savable_loader.StateFormatError`) when the metadata names a file
+            other than ``<save id>/rank-<r>.msgpack`` for rank r, before any is read.
         StorageError: Reading failed.
     """
     root = _root(url)
@@ -165,7 +171,20 @@ def _metadata(url: str, storage_options: dict[str, Any]) -> Metadata:
         raise StateFormatError(f"{url} is not a checkpoint directory's metadata: {error}") from None
     if metadata.kind != _KIND or len(metadata.files) != metadata.world_size:
         raise StateFormatError(f"{url} is not a checkpoint directory's metadata")
+    for rank, name in enumerate(metadata.files):
+        expected = _file_name(metadata.save, rank)
+        if name != expected:
+            raise StateFormatError(
+                f"{url} names the file {name!r} for rank {rank}, where save_checkpoint "
+                f"writes {expected!r} (the save id, then rank-<r>.msgpack): the metadata "
+                "is damaged or was not written by save_checkpoint; no state file was read"
+            )
     return metadata
+
+
+def _file_name(save: str, rank: int) -> str:
+    """The name of ``rank``'s file of the save ``save``, relative to the directory."""
+    return f"{save}/rank-{rank}.msgpack"
 
 
 def _root(url: str | os.PathLike[str]) -> str:
