@@ -9,8 +9,13 @@ every rank writes ``<url>/<id>/rank-<r>.msgpack`` (a local file atomically; one 
 a store), the ranks agree that every write succeeded, and only then does rank 0 write
 ``<url>/metadata.msgpack`` (the id, the layout, the file of each rank), atomically, last.
 A job killed during a save leaves the metadata of the previous save in place, naming its
-files, which are still there: the previous checkpoint stays valid. Once the new metadata
-is written rank 0 removes the files of earlier saves in that directory.
+files, which are still there: the previous checkpoint stays valid. So rank 0 reads the
+previous metadata before it writes the new one, and only once the new one is written
+removes exactly the files the previous one lists, then their folder ``<url>/<old id>`` if
+nothing else is left in it. Nothing else in the directory is touched: a folder or file of
+the user's is never removed, whatever its name, and neither is the folder of a save killed
+before its metadata was written (no metadata names it; it costs only space). Removal is
+best effort: a file that cannot be removed is logged and left.
 
 :func:`load_checkpoint` reads the metadata on every rank (a few hundred bytes). On the
 layout the save was taken on, each rank reads its own file only. On another layout
@@ -29,6 +34,7 @@ header of every state file, never pickle.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import uuid
 from typing import Any
@@ -38,7 +44,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import distributed, serialization, storage
 from ._filesystems import url_to_fs
-from .errors import ConfigError, StateError, StateFormatError, StorageError
+from .errors import (
+    ConfigError,
+    StateError,
+    StateFileNotFoundError,
+    StateFormatError,
+    StorageError,
+)
 from .state.files import load_state, read_state_bytes, save_state
 from .state.models import RankState
 
@@ -48,6 +60,8 @@ METADATA = "metadata.msgpack"
 _KIND = "savable_loader checkpoint directory"
 #: The largest metadata file read (a line per rank: far below this at 10**5 ranks).
 _MAX_METADATA_BYTES = 64 << 20
+
+logger = logging.getLogger(__name__)
 
 
 class Metadata(BaseModel):
@@ -87,6 +101,7 @@ def save_checkpoint(loader: Any, url: str | os.PathLike[str], **storage_options:
     _agree(group, failure, "save_checkpoint", StorageError)
     if loader.rank != 0:
         return
+    previous = _previous(f"{root}/{METADATA}", storage_options)
     metadata = Metadata(
         kind=_KIND,
         save=save,
@@ -96,7 +111,8 @@ def save_checkpoint(loader: Any, url: str | os.PathLike[str], **storage_options:
     )
     data = serialization.dumps(metadata.model_dump())
     storage.write_bytes(f"{root}/{METADATA}", data, **storage_options)
-    _remove_older(root, save, storage_options)
+    if previous is not None and previous.save != save:
+        _remove_save(root, previous, storage_options)
 
 
 def load_checkpoint(
@@ -187,6 +203,23 @@ def _file_name(save: str, rank: int) -> str:
     return f"{save}/rank-{rank}.msgpack"
 
 
+def _previous(url: str, storage_options: dict[str, Any]) -> Metadata | None:
+    """The metadata of the save being replaced, or None: no checkpoint there yet, or one
+    that cannot be read (then nothing is removed)."""
+    try:
+        return _metadata(url, storage_options)
+    except StateFileNotFoundError:
+        return None
+    except Exception as error:
+        logger.warning(
+            "save_checkpoint: cannot read the previous metadata %s (%s); the files of "
+            "earlier saves are left in place",
+            url,
+            error,
+        )
+        return None
+
+
 def _root(url: str | os.PathLike[str]) -> str:
     text = os.fspath(url)
     if not isinstance(text, str) or not text:
@@ -210,14 +243,26 @@ def _agree(group: Any, failure: BaseException | None, what: str, default: Any) -
         raise failure
 
 
-def _remove_older(root: str, keep: str, storage_options: dict[str, Any]) -> None:
-    """Removes the folders of earlier saves (best effort: a leftover costs only space)."""
-    with contextlib.suppress(Exception):
+def _remove_save(root: str, previous: Metadata, storage_options: dict[str, Any]) -> None:
+    """Removes the files ``previous`` lists, then their folder if nothing else is in it
+    (best effort: a leftover costs only space)."""
+    try:
         fs, path = url_to_fs(root, **storage_options)
-        for entry in fs.ls(path, detail=False):
-            name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-            if len(name) == 32 and name != keep and all(c in "0123456789abcdef" for c in name):
-                fs.rm(entry, recursive=True)
+        for name in previous.files:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(f"{path}/{name}")
+    except Exception as error:
+        logger.warning(
+            "save_checkpoint: cannot remove the files of the previous save %s in %s (%s)",
+            previous.save,
+            root,
+            error,
+        )
+        return
+    # A local folder and a memory:// one are removed only when empty; an object store has
+    # no folder left once its objects are gone (s3fs's rmdir removes only buckets).
+    with contextlib.suppress(OSError):
+        fs.rmdir(f"{path}/{previous.save}")
 
 
 def _initialized() -> bool:
