@@ -8,6 +8,8 @@ state, so no rank holds more than its own: rank 0 draws a save id and broadcasts
 every rank writes ``<url>/<id>/rank-<r>.msgpack`` (a local file atomically; one object on
 a store), the ranks agree that every write succeeded, and only then does rank 0 write
 ``<url>/metadata.msgpack`` (the id, the layout, the file of each rank), atomically, last.
+The outcome of that write is agreed like the ranks' own: when it fails, every rank raises
+:class:`~savable_loader.StorageError`, so no rank goes on as if the save were taken.
 A job killed during a save leaves the metadata of the previous save in place, naming its
 files, which are still there: the previous checkpoint stays valid. So rank 0 reads the
 previous metadata before it writes the new one, and only once the new one is written
@@ -87,30 +89,35 @@ def save_checkpoint(loader: Any, url: str | os.PathLike[str], **storage_options:
 
     Raises:
         WorkerError: Saving failed on some rank (raised on every rank, naming them).
-        StorageError: Writing failed on some rank (raised on every rank).
+        StorageError: Writing failed on some rank, or rank 0's write of the metadata
+            failed (raised on every rank; the previous checkpoint is then still valid).
     """
     root = _root(url)
     group = loader.worker_config.data_parallel_group if _initialized() else None
     save = _shared(uuid.uuid4().hex, group)
-    name = _file_name(save, loader.rank)
     failure: BaseException | None = None
     try:
-        save_state(loader.save_state_rank(), f"{root}/{name}", **storage_options)
+        url = f"{root}/{_file_name(save, loader.rank)}"
+        save_state(loader.save_state_rank(), url, **storage_options)
     except Exception as error:  # reported to every rank below, so that no rank waits
         failure = error
     _agree(group, failure, "save_checkpoint", StorageError)
-    if loader.rank != 0:
-        return
-    previous = _previous(f"{root}/{METADATA}", storage_options)
-    metadata = Metadata(
-        kind=_KIND,
-        save=save,
-        world_size=loader.world_size,
-        num_workers=loader.layout.num_workers,
-        files=[_file_name(save, rank) for rank in range(loader.world_size)],
-    )
-    data = serialization.dumps(metadata.model_dump())
-    storage.write_bytes(f"{root}/{METADATA}", data, **storage_options)
+    previous: Metadata | None = None
+    if loader.rank == 0:
+        previous = _previous(f"{root}/{METADATA}", storage_options)
+        try:
+            metadata = Metadata(
+                kind=_KIND,
+                save=save,
+                world_size=loader.world_size,
+                num_workers=loader.layout.num_workers,
+                files=[_file_name(save, rank) for rank in range(loader.world_size)],
+            )
+            data = serialization.dumps(metadata.model_dump())
+            storage.write_bytes(f"{root}/{METADATA}", data, **storage_options)
+        except Exception as error:  # reported to every rank below, so that all raise
+            failure = error
+    _agree(group, failure, "save_checkpoint", StorageError)
     if previous is not None and previous.save != save:
         _remove_save(root, previous, storage_options)
 
