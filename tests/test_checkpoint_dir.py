@@ -90,20 +90,21 @@ def test_a_save_killed_before_its_metadata_leaves_the_previous_checkpoint(tmp_pa
         after_first = _ids(_loader_at(folder))
         _ids(loader, 2)
         # The second save dies after its rank file and before the metadata.
-        import savable_loader.checkpoint_dir as module
+        real = storage.write_bytes
 
-        real = module.storage.write_bytes
-        module.storage.write_bytes = _failing  # type: ignore[assignment]
+        def failing(url: Any, data: bytes, **kwargs: Any) -> None:
+            if os.fspath(url).endswith(module.METADATA):
+                raise OSError("killed before the metadata was written")
+            real(url, data, **kwargs)
+
+        storage.write_bytes = failing
         try:
             with pytest.raises(OSError, match="killed"):
                 save_checkpoint(loader, folder)
         finally:
-            module.storage.write_bytes = real  # type: ignore[assignment]
+            storage.write_bytes = real
+    assert len([p for p in folder.iterdir() if p.is_dir()]) == 2  # the first save's is kept
     assert _ids(_loader_at(folder)) == after_first
-
-
-def _failing(*args: Any, **kwargs: Any) -> None:
-    raise OSError("killed before the metadata was written")
 
 
 def _loader_at(folder: Path) -> SavableDataLoader:
@@ -142,7 +143,9 @@ def _write(url: str, data: bytes) -> None:
 
 
 def _save_id(folder: str) -> str:
-    return str(serialization.loads(storage.read_bytes(f"{folder}/metadata.msgpack"))["save"])
+    metadata = serialization.loads(storage.read_bytes(f"{folder}/metadata.msgpack"))
+    assert isinstance(metadata, dict)
+    return str(metadata["save"])
 
 
 def test_a_save_removes_only_the_files_the_previous_metadata_lists(base: str) -> None:
@@ -257,8 +260,6 @@ def _job_save(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
 def _job_restore(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     """Restores the directory the 2-rank job wrote, onto ``world_size`` ranks."""
     opened: list[str] = []
-    import savable_loader.checkpoint_dir as module
-
     real = module.load_state
 
     def tracked(url: Any, **kwargs: Any) -> Any:
@@ -282,7 +283,7 @@ def _job_metadata_fails(rank: int, world_size: int, tmp: Path) -> dict[str, Any]
         real(url, data, **kwargs)
 
     if rank == 0:
-        storage.write_bytes = failing  # type: ignore[assignment]
+        storage.write_bytes = failing
     with _loader(rank, world_size) as loader:
         _ids(loader, 1)
         name, message, _ = outcome(lambda: save_checkpoint(loader, tmp / "ckpt-failed"))
