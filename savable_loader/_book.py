@@ -44,6 +44,9 @@ class Book:
     ended: list[bool]
     next_worker: int
     resume: list[Checkpoint | None] = field(compare=False)
+    #: The workers whose epoch the loader cut (NOTE [ A new iter() starts an epoch ] in
+    #: ``_iterator.py``) and that have not yet confirmed the cut with a checkpoint.
+    cutting: list[int] = field(default_factory=list, compare=False)
 
     @classmethod
     def fresh(cls, workers: int) -> Book:
@@ -61,7 +64,12 @@ class Book:
 
     def copy(self) -> Book:
         return Book(
-            self.epoch, list(self.delivered), list(self.ended), self.next_worker, list(self.resume)
+            self.epoch,
+            list(self.delivered),
+            list(self.ended),
+            self.next_worker,
+            list(self.resume),
+            list(self.cutting),
         )
 
     def unmoved(self, started: Book, workers: list[int]) -> dict[int, Checkpoint | None]:
@@ -82,6 +90,7 @@ class Book:
                 skip_epoch=self.ended[w],
                 placeholder=w < self.next_worker and not self.ended[w],
                 new_epoch=new_epoch,
+                cut=w in self.cutting,
             )
             for w in range(len(self.delivered))
         )
@@ -125,6 +134,19 @@ class Book:
         self.epoch += 1
         self.ended = [False] * len(self.ended)
         self.next_worker = 0
+
+    def cut_epoch(self) -> None:
+        """Starts the next epoch before every worker ended this one: the unended workers
+        will drop the rest of it, each counting the cut as one event once it confirms
+        (:meth:`settle_cut`; NOTE [ A new iter() starts an epoch ] in ``_iterator.py``)."""
+        self.cutting = self.unended()
+        self.start_epoch()
+
+    def settle_cut(self) -> None:
+        """Counts the cut of every cutting worker as an event handed on."""
+        for worker_id in self.cutting:
+            self.delivered[worker_id] += 1
+        self.cutting = []
 
     def hand_on(self, worker_id: int, seq: int, kind: int) -> None:
         """Records that event ``seq`` of ``worker_id`` (an item or an END) was handed on."""

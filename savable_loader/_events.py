@@ -46,7 +46,7 @@ as usual (answering a save with the worker's start checkpoint: it produced nothi
 yields the failure as its first event. The loader raises it as torch does: an exception
 of the original type whose message is "Caught <Type> in DataLoader worker process <id>."
 followed by the worker's traceback, and keeps its position (NOTE [ Errors stop the
-stream ] in ``loader.py``), so iterating again starts the workers, and their
+stream ] in ``loader.py``), so the next next() starts the workers, and their
 ``worker_init_fn``, anew.
 """
 
@@ -181,7 +181,7 @@ class Failure:
         then = (
             f"The loader cannot continue: {lost}."
             if lost is not None
-            else "The loader stays just before that item: iterating again retries it, "
+            else "The loader stays just before that item: the same iterator's next() retries it, "
             "save_state_rank() saves this position and restore_state_rank() moves to a "
             "saved one."
         )

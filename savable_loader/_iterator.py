@@ -1,12 +1,28 @@
 """The iterator ``iter(loader)`` returns, and the stream's lifecycle: how epochs and
 workers follow each other, and what an error does to the stream.
 
-NOTE [ Iterators continue the stream ]
-Every iterator of a loader reads the same stream. ``iter(loader)`` starts a new epoch
-only when the previous one ended (StopIteration); an epoch left half-read (a ``break``)
-continues where it stopped, so nothing is lost and an uninterrupted run behaves exactly
-like a saved and restored one. A restore moves the stream: a live iterator continues
-from the restored position (or stops, if the state lies between epochs).
+NOTE [ A new iter() starts an epoch ]
+As with torch's ``DataLoader``, every ``iter(loader)`` (every ``for`` loop) begins a new
+epoch, except the first ``iter()`` of a loader and the first after a restore
+(``restore_state_rank``, ``restore_state_global``, ``load_state_dict``), which continue
+from where the loader stands: the start of epoch 0, or the restored position, mid-epoch
+or between epochs. So a peek (``next(iter(loader))``) followed by a ``for`` loop reads
+the whole next epoch, a loop left with ``break`` is followed by a whole new epoch, and a
+state saved mid-epoch (after a ``break`` too) restores to that mid-epoch position: a job
+stopped at ``max_steps`` and restarted with more steps goes on where it stopped.
+
+A new epoch begun before the current one ended *cuts* it. The loader asks every worker
+for its checkpoint at the last item it handed on, stops the workers, and starts new ones
+that restore it, replay up to it and drop the rest of the epoch with the cursor tree's
+``end_epoch()`` (the library's sources skip it without reading; a dataset of yours begins
+its next iteration with a new ``iter(dataset)`` from where it stands, as a persistent
+torch worker would). Each counts the cut as one event (NOTE [ Sequence numbers ] in
+``state/models.py``), seeds its generators for the new epoch and takes a checkpoint
+there, which the loader fetches before ``iter()`` returns: from then on the bookkeeping
+and the workers agree, and a state saved at any point, right after the cut too, restores
+exactly. If a worker dies or the pipeline raises during the cut, the loader stays where
+it stood and ``iter()`` raises. All iterators read the one stream: an older iterator
+goes on with the new epoch, as iterators of torch's persistent workers share them.
 
 NOTE [ Errors stop the stream ]
 When the pipeline raises (an ERROR event, NOTE [ Pipeline errors ] in ``_events.py``) or
@@ -94,8 +110,8 @@ class LengthCheck:
 
 
 class LoaderIterator(Iterator[Any]):
-    """An iterator over a loader's stream for the current epoch (NOTE [ Iterators
-    continue the stream ]).
+    """An iterator over a loader's stream for the current epoch (NOTE [ A new iter()
+    starts an epoch ]).
 
     Args:
         next_item: The loader's next item; raises StopIteration when the epoch ends.

@@ -41,8 +41,30 @@ stops short of it, one past it starts from that checkpoint or a later one. A pla
 generator that raised is finished, so that worker's epoch ends; an ``__iter__`` that
 raised ends it as well, where torch's worker would fail on every later batch. A savable
 pipeline of any other kind keeps the rule of NOTE [ Pipeline errors ] in
-``_events.py``: its position stays before the item, which iterating again retries (the
+``_events.py``: its position stays before the item, which the same iterator's next() retries (the
 position it would go on from is the dataset's own, which the loader cannot vouch for).
+
+NOTE [ Fresh workers ]
+A worker that starts from no checkpoint (the start of a run) restores nothing: its new
+cursors already stand at the start of epoch 0, and a dataset your ``worker_init_fn``
+configured (torch's way of sharding an ``IterableDataset``: set a range on
+``get_worker_info().dataset``) keeps what the hook set. Restoring the pipeline's initial
+state there would put back what the object held in the main process and undo the hook
+(every worker reading the whole range). A worker that starts from a checkpoint restores
+it after the hook ran, as torchdata's ``StatefulDataLoader`` loads a worker's state after
+``worker_init_fn``: the saved position wins, and it was saved from a hooked object. In
+the main process (no workers, no hook) a start from no checkpoint restores the initial
+state, so ``restore_state_rank(None)`` starts a reused object over.
+
+NOTE [ Interrupts ]
+A ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit`` raised while the pipeline produces an
+item, in ``__getitem__``, a map or ``collate_fn``, passes through as it is: it is not an
+error of the data. Without workers it may leave the cursor tree halfway through the item,
+so the runtime stops taking checkpoints of the tree; the loader (``_next`` in
+``loader.py``) then stops the stream as after an error, keeping the position after the
+last item handed on, from the ring's newest checkpoint and a replay. The same iterator,
+or a save and restore, goes on from there, retrying the interrupted item; a new
+``iter()`` starts the next epoch, as it does after any item.
 
 NOTE [ Generators per epoch ]
 A worker's global generators (``random``, ``numpy.random``, torch) are seeded from
@@ -98,7 +120,7 @@ from ._events import (
 from ._ring import CheckpointRing, Entry
 from ._runtime_spec import RuntimeSpec, WorkerStart, epoch_seed
 from .datasets.file_access import storage_stats
-from .errors import StateError, WorkerError
+from .errors import DatasetError, StateError, WorkerError
 from .plain import plain_copy
 from .state.models import Checkpoint
 
@@ -162,7 +184,12 @@ class PipelineRuntime:
         else:
             seeded = checkpoint.seeded_epoch
         with self._scope():
-            self.root.restore(None if checkpoint is None else copy.deepcopy(checkpoint.state))
+            if checkpoint is not None:
+                self.root.restore(copy.deepcopy(checkpoint.state))
+            elif in_main:
+                self.root.restore(None)
+            # A worker starting fresh restores nothing: its new cursors stand at the
+            # start, and what worker_init_fn configured stays (NOTE [ Fresh workers ]).
             if seeded is not None:
                 rng.seed_globals(epoch_seed(spec.seed, spec.rank, worker_id, seeded))
             elif checkpoint is not None and checkpoint.rng is not None:
@@ -189,6 +216,21 @@ class PipelineRuntime:
                 f"{self.seq}"
             )
         self._replay_target = start.delivered
+        if start.cut:
+            self._cut()
+
+    def _cut(self) -> None:
+        """Replays to the start's position, drops the rest of that epoch and stands at the
+        next one's start, the cut counted as one event, then checkpoints there: the loader
+        asks for that checkpoint before it hands anything on (NOTE [ A new iter() starts
+        an epoch ] in ``_iterator.py``)."""
+        self.catch_up()
+        with self._scope():
+            self.root.end_epoch()
+        self.seq += 1
+        self._replay_target = self.seq
+        self._seed_epoch(self.spec.epoch, starting=True)
+        self.ring.take(self._capture)
 
     def _scope(self) -> rng.Scope:
         """This runtime made the active seedings (NOTE [ Seeded windows ] in ``rng.py``)
@@ -272,6 +314,16 @@ class PipelineRuntime:
         return self._state()
 
     def _run(self, *, placeholder: bool) -> Iterator[Event]:
+        try:
+            yield from self._produce(placeholder=placeholder)
+        except BaseException as error:
+            if not isinstance(error, (Exception, GeneratorExit)):
+                # A KeyboardInterrupt mid-item may leave the tree anywhere: its state is no
+                # checkpoint, and a save answers from the ring (NOTE [ Interrupts ]).
+                self.failed = True
+            raise
+
+    def _produce(self, *, placeholder: bool) -> Iterator[Event]:
         progress = self.progress
         if placeholder:
             progress.enter(IDLE, self.seq)
@@ -400,7 +452,16 @@ class PipelineRuntime:
             WorkerError: ``delivered`` lies outside what the ring can answer.
         """
         if self.in_main and delivered == self.seq and not self.failed:
-            self.ring.take(self._capture)
+            try:
+                self.ring.take(self._capture)
+            except Exception as error:
+                raise DatasetError(
+                    f"{type(error).__name__}: {error} (raised in the main process by the "
+                    f"pipeline's save_state() while the loader saved its position after "
+                    f"{delivered} events); nothing moved: the loader goes on where it stands",
+                    worker_id=self.worker_id,
+                    index=delivered,
+                ) from error
         entry, oldest = self.ring.find(delivered)
         if entry is None or delivered > max(self.seq, self._replay_target):
             raise WorkerError(

@@ -29,6 +29,9 @@ class WorkerStart:
         placeholder: Yield one placeholder first (worker order after a restore).
         new_epoch: The worker starts at the beginning of an epoch (after a restore
             between epochs): seed its generators for it (NOTE [ Generators per epoch ]).
+        cut: The loader began a new epoch before this worker ended the current one: it
+            replays to ``delivered``, drops the rest of that epoch and counts the cut as
+            one event (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``).
     """
 
     checkpoint: Checkpoint | None = None
@@ -36,6 +39,7 @@ class WorkerStart:
     skip_epoch: bool = False
     placeholder: bool = False
     new_epoch: bool = False
+    cut: bool = False
 
 
 @dataclass

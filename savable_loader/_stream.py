@@ -129,7 +129,7 @@ class Hang(WorkerError):
         then = (
             f"the loader cannot continue: {lost}"
             if lost is not None
-            else "the loader stays after the last item handed on: iterating again "
+            else "the loader stays after the last item handed on: the next next() "
             "restarts the workers there"
         )
         return WorkerError(f"{self.reason}. The loader stopped its workers; {then}.{self.stacks}")
@@ -219,7 +219,7 @@ class Stream:
             self.stop()
             raise WorkerError(
                 f"worker(s) {dead} died while the workers started ({error}); the loader "
-                "stays where it was: iterating again starts the workers anew"
+                "stays where it was: the next next() starts the workers anew"
             ) from error
         finally:
             loader.timeout = self.timeout

@@ -107,8 +107,8 @@ class DatasetError(SavableLoaderError):
     producing) and, with workers, holds the worker's traceback. When a map-style
     dataset's read (or ``collate_fn``) or a plain ``IterableDataset`` raised, the error is
     also of the original type, as torch re-raises it, and the loader goes on as torch's
-    does; otherwise the loader stays just before that item and iterating again retries
-    it.
+    does; otherwise the loader stays just before that item and the same iterator's
+    ``next()`` retries it.
 
     Attributes:
         worker_id: The worker that raised (0 without workers), or None if unknown.

@@ -18,17 +18,18 @@ from . import _elastic, _torch_compat, distributed
 from ._book import Book
 from ._checks import check_arguments
 from ._compat import SavedStates, check_compatible, own_state, state_from_dict, state_key
-from ._events import END, ERROR, PLACEHOLDER, Failure
+from ._events import END, ERROR, PLACEHOLDER
 from ._iterator import LengthCheck, LoaderIterator
 from ._layout import Layout
 from ._pipeline import base_seed_generator, build_pipeline
 from ._runtime_spec import RuntimeSpec
 from ._shown import PicklesOwnGenerators, shown_arguments, torch_arguments
 from ._stream import Hang, Stream
+from ._stream_stops import StreamStops
 from ._worker import WorkerWrapper
 from .config import WorkerConfig
 from .datasets.datapipes import is_datapipe, seed_epoch
-from .errors import SavableLoaderError, WorkerError
+from .errors import SavableLoaderError
 from .state.files import encode_state
 from .state.models import Checkpoint, RankState, one_save
 
@@ -38,7 +39,9 @@ __all__ = ["SavableDataLoader"]
 T_co = TypeVar("T_co", covariant=True)
 
 
-class SavableDataLoader(distributed.GlobalStates, PicklesOwnGenerators, DataLoader[T_co]):
+class SavableDataLoader(
+    distributed.GlobalStates, StreamStops, PicklesOwnGenerators, DataLoader[T_co]
+):
     """A ``DataLoader`` whose position in the data stream can be saved and restored exactly.
 
     Arguments keep ``DataLoader``'s names and defaults where they apply. Batching
@@ -185,6 +188,9 @@ class SavableDataLoader(distributed.GlobalStates, PicklesOwnGenerators, DataLoad
         self._closed = False
         self._last_worker: int | None = None
         self._retries = 2  # NOTE [ Workers that never started ] in _iterator.py
+        #: The next iter() continues the stream instead of starting an epoch: the first
+        #: one, and the first after a restore (NOTE [ A new iter() starts an epoch ]).
+        self._continues = True
         self._length: LengthCheck | None = None  # set by len() (LengthCheck)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -198,9 +204,12 @@ class SavableDataLoader(distributed.GlobalStates, PicklesOwnGenerators, DataLoad
     # -- iteration --------------------------------------------------------------------
 
     def __iter__(self) -> LoaderIterator:  # type: ignore[override]
-        """Returns an iterator over the stream (NOTE [ Iterators continue the stream ])."""
+        """Returns an iterator over a new epoch, or over the rest of a restored one (NOTE
+        [ A new iter() starts an epoch ])."""
         self._check_usable()
-        if new_epoch := self._book.all_ended():
+        if not self._continues and not self._book.all_ended():
+            self._cut_epoch()
+        elif new_epoch := self._book.all_ended():
             self._book.start_epoch()
             if self._stream is not None:
                 try:
@@ -211,6 +220,7 @@ class SavableDataLoader(distributed.GlobalStates, PicklesOwnGenerators, DataLoad
                     raise
         if self._stream is None:
             self._start_stream(new_epoch=new_epoch)
+        self._continues = False
         return LoaderIterator(self._next, self._length)
 
     def _start_stream(self, *, new_epoch: bool = False) -> None:
@@ -267,6 +277,9 @@ class SavableDataLoader(distributed.GlobalStates, PicklesOwnGenerators, DataLoad
                 self._raise_if_workers_died(error, "while producing items")
                 self._halt()
                 raise
+            except BaseException:  # Ctrl-C: NOTE [ Interrupts ] in _runtime.py
+                self._halt()
+                raise
             if kind == PLACEHOLDER:
                 continue
             if kind == ERROR and not payload.goes_on:
@@ -294,53 +307,6 @@ class SavableDataLoader(distributed.GlobalStates, PicklesOwnGenerators, DataLoad
             items = self._pipeline.iterable_length()
             self._length = LengthCheck(items, self._pipeline.dataset, self.num_workers)
         return batches
-
-    # -- faults (NOTE [ Errors stop the stream ]) -------------------------------------
-
-    def _raise_if_workers_died(self, error: BaseException, during: str) -> None:
-        """Turns ``error`` into a :class:`WorkerError` (stopping the rest) if workers died."""
-        stream = self._stream
-        if stream is None or not (dead := stream.dead_workers(error)):
-            return
-        how = stream.how_they_died(dead)  # before the stop, which forgets the processes
-        self._stop_stream()
-        self._broken = (
-            f"worker(s) {dead} died {during}, so the loader lost its position; restore a "
-            "saved state with restore_state_rank() (or restore_state_rank(None) to start over)"
-        )
-        raise WorkerError(
-            f"worker(s) {dead} died {during}{how}; restore the last saved state "
-            f"(restore_state_rank) to resume ({error})"
-        ) from error
-
-    def _halt(self, hang: Hang | None = None) -> str | None:
-        """Stops the stream after an error, keeping the position if the workers tell it,
-        nothing was handed on, or a ``hang``'s workers never started (NOTE [ Workers that
-        never started ] in _iterator.py); returns why it was lost, or None."""
-        stream = self._stream
-        if stream is None:
-            return self._broken
-        try:
-            if self._book != self._started:
-                self.layout.check_savable()  # no position to go back to
-                known = self._book.unmoved(self._started, hang.unstarted if hang else [])
-                if hang and not hang.answering and not set(hang.workers) <= set(known):
-                    raise WorkerError(f"hung worker(s) {hang.workers} cannot answer")
-                self._book.resume = stream.checkpoints(self._book.delivered, known)
-        except Exception as error:  # a dead or hung worker: WorkerError, torch's RuntimeError
-            self._broken = (
-                f"after an error the loader could not get its workers' checkpoints ({error}); "
-                "restore a saved state with restore_state_rank() (or restore_state_rank(None) "
-                "to start over)"
-            )
-        stream.kill(hang.workers if hang else [])
-        self._stop_stream()
-        return self._broken
-
-    def _raise_failure(self, failure: Failure) -> None:
-        """Stops the stream and raises the error the pipeline raised."""
-        lost = self._halt()
-        raise failure.raised(in_worker=self.num_workers > 0, epoch=self._book.epoch, lost=lost)
 
     # -- save and restore -------------------------------------------------------------
 
@@ -422,6 +388,7 @@ class SavableDataLoader(distributed.GlobalStates, PicklesOwnGenerators, DataLoad
         self._stop_stream()
         self._book = book
         self._broken = None
+        self._continues = True
 
     def reshard(
         self,

@@ -105,7 +105,7 @@ def test_error_names_worker_and_item_and_chains_the_original(tmp_path, num_worke
     where = "the main process" if num_workers == 0 else "worker 1"
     assert f"ValueError: boom at index 13 (raised in {where} while producing item " in str(error)
     assert f"item {expected_item}, epoch 0)" in str(error)
-    assert "iterating again retries it" in str(error)
+    assert "next() retries it" in str(error)
     cause = error.__cause__
     assert isinstance(cause, ValueError)
     assert str(cause) == "boom at index 13"

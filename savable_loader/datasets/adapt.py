@@ -189,6 +189,12 @@ class _DatasetCursor(Cursor[T]):
             self._items = None  # the dataset's iteration ended: its next one is the next epoch
         return taken
 
+    def end_epoch(self) -> None:
+        """Drops the rest of the epoch without reading it: the next one begins with a new
+        ``iter(dataset)`` from where the dataset stands, as torch's ``DataLoader`` begins
+        a new iteration (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``)."""
+        self._items = None
+
     def _begin(self) -> Iterator[T]:
         """Begins the dataset's iteration of this epoch."""
         self._items = iter(self.dataset)

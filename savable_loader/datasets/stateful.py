@@ -35,7 +35,10 @@ begun: the adapter calls ``iter(obj)`` first, then ``load_state_dict``, as torch
 ``StatefulDataLoader`` does for such an object. Loading first would be undone by the
 ``iter()``, and the stream would restart from its first item. Nor does the adapter read
 ``state_dict()`` before the first ``iter()`` (such an object may only build its position
-there): an epoch not begun is saved as None, which restores as a plain ``iter(obj)``.
+there): to save an epoch not begun it calls ``iter(obj)`` first, as torch's fetcher
+calls it when an epoch's iteration is made, and saves the position that gives, so a
+second loader over the same object, restored from a state saved before any item,
+starts where the first one stood rather than wherever the object was left.
 Other objects (a Hugging Face dataset, whose ``__iter__`` returns a generator) load a
 state before ``iter()``, and their state at construction is where epoch 0 starts. When
 ``iter(obj)`` is an object of its own with ``state_dict()`` and ``load_state_dict()``
@@ -82,6 +85,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
 from pydantic import Field
+from torch.utils.data import get_worker_info
 
 from .. import rng
 from ..config import WorkerContext
@@ -196,7 +200,12 @@ class _StatefulCursor(Cursor[T]):
         self._iterator: Iterator[T] | None = None
         #: The state ``iter(obj)`` loads once made, when it is an object of its own.
         self._resting_iterator: Any = None
-        self._restart(stage.initial, epoch=0, load=False)
+        #: Where epoch 0 starts: in a worker, the object as ``worker_init_fn`` left it
+        #: (NOTE [ Fresh workers ] in ``_runtime.py``), not as the main process had it.
+        self._initial = stage.initial
+        if stage.initial is not None and get_worker_info() is not None:
+            self._initial = copy.deepcopy(self.obj.state_dict())
+        self._restart(self._initial, epoch=0, load=False)
 
     def __next__(self) -> T:
         iterator = self._iterator or self._open()
@@ -211,7 +220,20 @@ class _StatefulCursor(Cursor[T]):
         self._restart(after, epoch=self._epoch + 1, load=False)
         raise StopIteration
 
+    def end_epoch(self) -> None:
+        """Drops the rest of the epoch without reading it: the next one begins with a new
+        ``iter(obj)``, from where the object stands, as torch's ``DataLoader`` begins a
+        new iteration (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``)."""
+        if self.stage.node:
+            self.obj.reset()
+        saves = self.stage.saves_obj and not self.stage.own_iterator
+        after = self.obj.state_dict() if saves else None
+        self._restart(after, epoch=self._epoch + 1, load=False)
+
     def own_state(self) -> dict[str, Any]:
+        stage, unopened = self.stage, self._iterator is None and self._pending is None
+        if stage.own_iterator and stage.resume == "state" and unopened and self._resting is None:
+            self._open()  # NOTE [ Objects that are their own iterator ]
         live = self.stage.resume == "state" and self._iterator is not None
         saves = self.stage.saves_obj
         state = {
@@ -240,7 +262,7 @@ class _StatefulCursor(Cursor[T]):
             StateError: ``state`` was saved in the other mode, or the object refuses it.
         """
         if not isinstance(state, _State):
-            self._restart(self.stage.initial, epoch=0)
+            self._restart(self._initial, epoch=0)
             return
         if state.resume != self.stage.resume:
             raise StateError(

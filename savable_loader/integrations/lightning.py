@@ -17,13 +17,15 @@ not skip batches itself. Four things need care; the first three are handled here
    entry (``all_gather_object`` over the loader's group: every rank builds the
    checkpoint, so every rank is there), and ``load_state_dict()`` takes its own.
 2. A loader with a length is read ``len(loader)`` times per epoch: Lightning never asks
-   for the item after the last, so the loader never sees the epoch end, and the next
-   ``iter()`` would continue the finished epoch (NOTE [ Iterators continue the stream ]
-   in ``_iterator.py``), which has nothing left: an empty epoch. Here the first
-   ``next()`` of an iterator that finds its epoch already exhausted moves on to the next
-   epoch, as a new iterator of torch's ``DataLoader`` would. The iterator starts the
-   stream at that first ``next()``, not at ``iter()``: Lightning calls ``iter()`` before
-   it sets the sampler's epoch and before a restore made by the callback.
+   for the item after the last, so the loader never sees the epoch end. The next
+   ``iter()`` starts the next epoch all the same (NOTE [ A new iter() starts an epoch ]
+   in ``_iterator.py``), except the first one after a restore, which continues the
+   restored epoch: restored from a checkpoint taken after an epoch's last batch, it has
+   nothing left. Here the first ``next()`` of an iterator that finds its epoch already
+   exhausted moves on to the next epoch, as a new iterator of torch's ``DataLoader``
+   would. The iterator starts the stream at that first ``next()``, not at ``iter()``:
+   Lightning calls ``iter()`` before it sets the sampler's epoch and before a restore
+   made by the callback.
 3. A checkpoint taken at the end of an epoch (the ``ModelCheckpoint`` default) is not a
    "restart" for Lightning, which then never calls ``load_state_dict()``: the loader
    would begin again at its first epoch. :class:`SavableLoaderCallback` takes the states

@@ -15,12 +15,14 @@ restores exactly as before; it is never refused for its version.
 
 NOTE [ Sequence numbers ]
 Each worker numbers the *events* it produces: one per batch (an "item" of the loader)
-and one per end of epoch. ``delivered`` counts the events the loader handed on (end
-markers included), so ``delivered`` is the sequence number of the next event the
-consumer wants from that worker. A checkpoint at ``seq`` is the worker's state just
-before producing event ``seq``; restoring it and replaying ``delivered - seq`` events
-reaches the consumer's position exactly. A checkpoint is always taken right after an
-end-of-epoch event, so a replay never crosses an epoch boundary.
+and one per end of epoch, whether the worker reached it or the loader cut the epoch
+short (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``). ``delivered`` counts
+the events the loader handed on (end markers included), so ``delivered`` is the sequence
+number of the next event the consumer wants from that worker. A checkpoint at ``seq`` is
+the worker's state just before producing event ``seq``; restoring it and replaying
+``delivered - seq`` events reaches the consumer's position exactly. A checkpoint is
+always taken right after an end-of-epoch event, so a replay never crosses an epoch
+boundary.
 """
 
 from __future__ import annotations

@@ -481,7 +481,14 @@ BY_NAME = {golden.name: golden for golden in GOLDENS}
 def positioned(golden: Golden, rank: int) -> SavableDataLoader:
     """Returns rank ``rank``'s loader standing where ``golden``'s state was saved: built,
     restored from the committed file of ``golden.restored`` (if any), its items taken."""
+    return position(golden, rank)[0]
+
+
+def position(golden: Golden, rank: int) -> tuple[SavableDataLoader, Any]:
+    """:func:`positioned`, with the iterator that took the last item (None if none did):
+    the rest of that epoch comes from it, a new ``iter()`` starting the next epoch."""
     loader = golden.build(rank, golden.world_size)
+    iterator = None
     try:
         if golden.restored is not None:
             loader.restore_state_rank(load_state(BY_NAME[golden.restored].path))
@@ -490,14 +497,15 @@ def positioned(golden: Golden, rank: int) -> SavableDataLoader:
             for _ in loader:
                 pass
         while taken > 0:  # over epochs; stops right after the last item taken
-            for _ in loader:
+            iterator = iter(loader)
+            for _ in iterator:
                 taken -= 1
                 if taken == 0:
                     break
     except BaseException:
         loader.close()
         raise
-    return loader
+    return loader, iterator
 
 
 def saved_state(golden: Golden, rank: int) -> RankState:
