@@ -86,7 +86,7 @@ __all__ = ["SIZED_BOUND", "UNSIZED_BOUND", "EpochPlanner"]
 
 #: Indices (and index groups) read at the start of an epoch from a sampler without a
 #: ``len()`` before it is read lazily instead (NOTE [ Endless samplers ]).
-UNSIZED_BOUND = 1 << 16
+UNSIZED_BOUND = 1 << 14
 
 #: Indices read at the start of an epoch from a sampler with a ``len()`` before it is read
 #: lazily instead, whatever its length says (NOTE [ Endless samplers ]).

@@ -126,15 +126,18 @@ class LazyOrder:
                 that an earlier read moved on (mmengine's ``InfiniteSampler`` keeps one
                 generator made in ``__init__``), so no copy of it restarts the epoch.
         """
-        again = list(itertools.islice(self.groups(), min(len(first), _CHECKED)))
-        if not _same(again, first[: len(again)]):
+        expected = first[:_CHECKED]
+        again = list(itertools.islice(self.groups(), len(expected)))
+        if not _same(again, expected):
             raise ConfigError(
-                f"the sampler {self.name} gives more indices than it can be read at once "
-                "(NOTE [ Endless samplers ]), so each worker reads its own copy from the "
-                "epoch's start, but iter() on it again gives other indices than the first "
-                "iter() did: its __iter__ goes on with a stream kept across calls (made "
-                "in __init__?). Make __iter__ start the stream anew from the sampler's "
-                "seed and generators on every call, as detectron2's TrainingSampler does"
+                f"the sampler {self.name} gives more indices than are read at an epoch's "
+                "start (NOTE [ Endless samplers ]), so each worker reads its own copy of it "
+                "from the epoch's start; but iter() on it again gives other indices than the "
+                "first iter() gave: it goes on with one stream kept across calls (a "
+                "generator object passed as the sampler, or one made in __init__ as "
+                "mmengine's InfiniteSampler makes it). Make __iter__ start the stream anew "
+                "from the sampler's seed and generators on every call, as detectron2's "
+                "TrainingSampler does, or give the sampler an end"
             )
 
 
