@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,11 +46,19 @@ def _loader(rank: int = 0, world_size: int = 1, num_workers: int = 0) -> Savable
     )
 
 
+#: The epoch each loader is in the middle of: a new iter() starts a new epoch, as with torch.
+_EPOCHS: weakref.WeakKeyDictionary[SavableDataLoader, Iterator[Any]] = weakref.WeakKeyDictionary()
+
+
 def _ids(loader: SavableDataLoader, count: int | None = None) -> list[list[int]]:
+    """The next ``count`` batches of the epoch in progress (the rest of it when None); a
+    new epoch when none is in progress."""
+    iterator = _EPOCHS.pop(loader) if loader in _EPOCHS else iter(loader)
     out = []
-    for batch in loader:
+    for batch in iterator:
         out.append(batch.tolist())
         if count is not None and len(out) == count:
+            _EPOCHS[loader] = iterator
             break
     return out
 
