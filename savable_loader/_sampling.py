@@ -44,7 +44,7 @@ Torch reads a sampler lazily, so one that never ends (detectron2's ``TrainingSam
   lazily. The epoch's order is what the sampler gives from ``start``: the generators just
   before the epoch's first read of it (the loader's and the sampler's generators, its
   ``state_dict()``, the global generators, after the base seed). The main process drops
-  its buffers and puts every generator back at ``start``. Each worker (the main process
+  its buffers. Each worker (the main process
   without workers) reads its own copy of the sampler (fork's copy, the one pickled with
   the pipeline under spawn or forkserver, the sampler itself without workers) from
   ``start``, with ``start``'s global generators swapped in around each read of a few
@@ -61,12 +61,16 @@ Torch reads a sampler lazily, so one that never ends (detectron2's ``TrainingSam
   across calls: mmengine's ``InfiniteSampler`` makes one generator in ``__init__``; a
   generator object passed as the sampler) is refused with a ``ConfigError`` naming it,
   after the bounded read: no copy of it could restart the epoch.
-- ``len(loader)`` is torch's (the sampler's ``len()``, a ``TypeError`` without one). If a
-  lazily read epoch ends (a sampler longer than its ``len()``), the next epoch's draw
-  first reads that epoch through in the main process, dropping what it gives, so the
-  generators continue where torch's reading leaves them. Where such an epoch ends is not
-  known at a save: its state has ``after == before``, and a restore between epochs reads
-  the epoch through the same way.
+- ``len(loader)`` is torch's (the sampler's ``len()``, a ``TypeError`` without one), and
+  the epoch ends when the sampler does: an endless one's never, unless a new ``iter()``
+  cuts it. The next epoch's draws start where the bounded read left the generators (the
+  state's ``after``), not where the workers' reading got: the main process cannot know
+  how far that is, and torch's own stand wherever its read-ahead got. So a new epoch over
+  an endless sampler that draws from generators kept across ``iter()`` (its own, or the
+  global ones) is a new stream, as with torch, but not torch's; a sampler that re-seeds
+  on each ``iter()`` (detectron2's, mmengine's) starts over, as with torch; and the
+  epochs after the first of a sampler that gives more than its ``len()`` and then ends
+  differ from torch's. Each resumes exactly.
 """
 
 from __future__ import annotations
@@ -123,8 +127,8 @@ class EpochPlanner:
         #: After a restore: the snapshot the next draw starts from, and whether that
         #: draw must be of the saved epoch (a mid-epoch restore).
         self._pending: tuple[OrderSnapshot, int | None] | None = None
-        #: The current epoch was read lazily: where its draws end is learnt by reading
-        #: it through when the next epoch is drawn (NOTE [ Endless samplers ]).
+        #: The current epoch is read lazily, from copies of the generators (the sampler's
+        #: own without workers: NOTE [ Endless samplers ]).
         self._lazy = False
 
     @property
@@ -167,8 +171,6 @@ class EpochPlanner:
                 base_seed = self._draw(epoch)
             after = self._snapshot(own.snapshot.to_state())
         self._lazy = self.order.lazy is not None
-        if self._lazy:  # NOTE [ Endless samplers ]: where it ends is learnt if it does
-            after = before
         self.state = OrderState(epoch=epoch, before=before, after=after)
         return base_seed
 
@@ -176,18 +178,9 @@ class EpochPlanner:
         """The generators where the previous epoch's draws left them, which they hold."""
         if self.state is None:
             raise StateError("internal error: no previous draw; please report")
-        if not self._lazy:
-            return self.state.after
-        # NOTE [ Endless samplers ]: the epoch read lazily ended; read it through again.
-        before = self.state.before
-        self._apply(before, None)
-        own = rng.OwnGenerators.of(before.rng)
-        with own:
-            self._draw_base_seed(self.state.epoch)
-            for _ in self.index_sampler:
-                pass
-        self._lazy = False
-        return self._snapshot(own.snapshot.to_state())
+        if self._lazy:  # NOTE [ Endless samplers ]: put back as the bounded read left them
+            self._apply(self.state.after, None)
+        return self.state.after
 
     def _draw_base_seed(self, epoch: int) -> int | None:
         if not (self.draws_every_epoch or epoch == 0):
@@ -221,11 +214,11 @@ class EpochPlanner:
 
     def _lazily(self, start: OrderSnapshot, first: list[Any]) -> LazyOrder:
         """The order of an epoch whose sampler gave more than its bound (NOTE [ Endless
-        samplers ]); the generators are put back where its reading started."""
-        rng.apply(rng.RngSnapshot.from_state(start.rng))
+        samplers ]); the generators stay where the bounded read left them."""
+        read = self._snapshot(start.rng)
         lazy = LazyOrder(self.generator, self.index_sampler, start, self._name())
         lazy.check_restarts(first)
-        apply_snapshot(self._generators, self.sampler, start)
+        apply_snapshot(self._generators, self.sampler, read)
         return lazy
 
     def _name(self) -> str:
@@ -253,12 +246,7 @@ class EpochPlanner:
                 f"loader and its sampler have {len(self._generators)} generators; build the "
                 "loader with the same generator and sampler arguments as the saved one"
             )
-        # NOTE [ Endless samplers ]: a lazily read epoch's state has ``after == before``.
-        self._lazy = state.after == state.before
-        if between_epochs:
-            self._pending = None if self._lazy else (state.after, None)
-        else:
-            self._pending = (state.before, epoch)
+        self._pending = (state.after, None) if between_epochs else (state.before, epoch)
 
     def _snapshot(self, global_rng: RngState) -> OrderSnapshot:
         """The generators now, with ``global_rng`` as the global generators' part."""

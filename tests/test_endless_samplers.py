@@ -193,14 +193,39 @@ def test_a_generator_object_as_the_sampler_is_refused() -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_sampler_longer_than_its_len_is_torchs_over_epochs(workers: int) -> None:
-    """Read lazily; its epochs end, and the next epoch's draw continues where torch's
-    reading left the sampler's generator."""
+def test_a_sampler_longer_than_its_len_is_read_to_its_end(workers: int) -> None:
+    """Read lazily; its first epoch is torch's and ends where the sampler does, and the next
+    epoch is a new order (NOTE [ Endless samplers ])."""
     data = list(range(8))
     torch_loader = DataLoader(data, batch_size=3, sampler=Longer(8), num_workers=workers)
-    expected = [[batch.tolist() for batch in torch_loader] for _ in range(3)]
+    expected = [batch.tolist() for batch in torch_loader]
     with SavableDataLoader(data, batch_size=3, sampler=Longer(8), num_workers=workers) as loader:
-        assert [[batch.tolist() for batch in loader] for _ in range(3)] == expected
+        first, second = ([batch.tolist() for batch in loader] for _ in range(2))
+    assert first == expected
+    assert len(second) == len(first) == 8
+    assert second != first
+
+
+@pytest.mark.timeout(30)
+def test_a_new_iter_over_an_endless_sampler_starts_it_over_as_torch() -> None:
+    """A loop left with ``break`` and a new one: a sampler that re-seeds on each ``iter()``
+    starts over, as with torch; one on the global generator goes on (and never hangs)."""
+
+    def two_loops(loader: Any) -> list[list[int]]:
+        seen = []
+        for _ in range(2):
+            for step, batch in enumerate(loader):
+                seen.append(batch.tolist())
+                if step == 3:
+                    break
+        return seen
+
+    sampler, workers = SAMPLERS["training_sampler"], 0
+    expected = two_loops(DataLoader(list(range(ITEMS)), batch_size=3, sampler=sampler()))
+    with _build(sampler, workers) as loader:
+        assert two_loops(loader) == expected
+    with _build(SAMPLERS["while_true"], workers) as loader:
+        assert len(two_loops(loader)) == 8
 
 
 @pytest.mark.timeout(120)
