@@ -19,6 +19,8 @@ import json
 import os
 import signal
 import sys
+import warnings
+from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -143,6 +145,60 @@ def test_two_ranks_resume_exactly_after_a_checkpoint(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     _check_resume(tmp_path_factory.mktemp("accelerate"), 2, "after:7")
+
+
+@pytest.fixture
+def one_process() -> Iterator[None]:
+    """An ``Accelerator(cpu=True)`` of one process in this process, forgotten afterwards."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    Accelerator(cpu=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _loader(world_size: int) -> object:
+    from savable_loader import WorkerConfig
+    from savable_loader.integrations.accelerate import AccelerateSavableDataLoader
+
+    config = WorkerConfig(rank=0, world_size=world_size)
+    return AccelerateSavableDataLoader(list(range(8)), batch_size=2, worker_config=config)
+
+
+@pytest.mark.usefixtures("one_process")
+def test_a_loader_sharded_by_rank_under_one_accelerate_process_warns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [ A trainer that sees one process ]: the Accelerator counts one process (as
+    without cpu=True under torchrun on CPUs) while the loader shards over two ranks, or
+    the launcher's WORLD_SIZE counts two."""
+    from savable_loader import SingleProcessTrainerWarning
+
+    sharded = r"over 2 ranks .* accelerator.num_processes is 1: .* 1/2 of the data.*cpu=True"
+    with pytest.warns(SingleProcessTrainerWarning, match=sharded):
+        _loader(2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    launched = r"WORLD_SIZE is 2 but accelerator.num_processes is 1: .* all the data.*cpu=True"
+    with pytest.warns(SingleProcessTrainerWarning, match=launched):
+        _loader(1)
+
+
+@pytest.mark.usefixtures("one_process")
+def test_a_loader_whose_ranks_the_accelerator_counts_does_not_warn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One process and one rank; two processes (as Accelerate counts them under torchrun
+    with cpu=True) and two ranks."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _loader(1)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setitem(PartialState._shared_state, "num_processes", 2)
+        assert AcceleratorState().num_processes == 2
+        _loader(2)
 
 
 if __name__ == "__main__":

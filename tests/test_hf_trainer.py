@@ -19,8 +19,10 @@ import json
 import os
 import signal
 import sys
+import warnings
 from importlib.util import find_spec
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -162,6 +164,43 @@ def test_a_mid_epoch_resume_with_uneven_accumulation_is_refused() -> None:
     _check_accumulation(Loader(), 3, 8)  # type: ignore[arg-type]  # 4 updates an epoch: its end
     with pytest.raises(ConfigError, match="gradient_accumulation_steps is 3"):
         _check_accumulation(Loader(), 3, 5)  # type: ignore[arg-type]
+
+
+def test_a_loader_sharded_by_rank_under_a_trainer_of_one_process_warns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ A trainer that sees one process ]: without use_cpu=True on CPUs the
+    arguments count one process (NOT_PARALLEL) while the loader shards over two ranks, or
+    the launcher's WORLD_SIZE counts two; the callback warns as training begins, and the
+    loader itself does not warn twice."""
+    from transformers import TrainingArguments
+    from transformers.training_args import ParallelMode
+
+    from savable_loader import SingleProcessTrainerWarning, WorkerConfig
+    from savable_loader.integrations.hf_trainer import (
+        SavableLoaderCallback,
+        TrainerSavableDataLoader,
+    )
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert (args.world_size, args.parallel_mode) == (1, ParallelMode.NOT_PARALLEL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaders = [
+            TrainerSavableDataLoader(
+                list(range(8)), batch_size=2, worker_config=WorkerConfig(rank=0, world_size=n)
+            )
+            for n in (1, 2)
+        ]
+        SavableLoaderCallback().on_train_begin(args, None, None, train_dataloader=loaders[0])
+        two = SimpleNamespace(world_size=2)  # as under torchrun with use_cpu=True
+        SavableLoaderCallback().on_train_begin(two, None, None, train_dataloader=loaders[1])
+    sharded = r"over 2 ranks .* TrainingArguments.world_size is 1: .* 1/2 of the data.*use_cpu"
+    with pytest.warns(SingleProcessTrainerWarning, match=sharded):
+        SavableLoaderCallback().on_train_begin(args, None, None, train_dataloader=loaders[1])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.warns(SingleProcessTrainerWarning, match=r"WORLD_SIZE is 2 .* all the data"):
+        SavableLoaderCallback().on_train_begin(args, None, None, train_dataloader=loaders[0])
 
 
 if __name__ == "__main__":

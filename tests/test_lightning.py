@@ -211,5 +211,53 @@ def test_ddp_resumes_exactly(
     _check_resume(tmp_path_factory.mktemp("pl"), 2, sampler, ckpt, kill)
 
 
+def _check_warnings() -> None:
+    """The callback's check (NOTE [ A trainer that sees one process ]) with real
+    ``Trainer``s: one process while the loader shards over two ranks, or while the
+    launcher's WORLD_SIZE counts two, warns; a ``Trainer`` that counts the loader's ranks
+    does not."""
+    import warnings
+
+    import lightning.pytorch as pl
+
+    from savable_loader import SingleProcessTrainerWarning, WorkerConfig
+    from savable_loader.integrations.lightning import (
+        LightningSavableDataLoader,
+        _check_processes,
+    )
+
+    def warned(trainer: pl.Trainer, world_size: int) -> list[str]:
+        config = WorkerConfig(rank=0, world_size=world_size)
+        loader = LightningSavableDataLoader(list(range(8)), batch_size=2, worker_config=config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _check_processes(trainer, [loader])
+        return [str(w.message) for w in caught if w.category is SingleProcessTrainerWarning]
+
+    one = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    two = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    assert (one.world_size, two.world_size) == (1, 2)
+    assert warned(one, 1) == warned(two, 2) == []
+    [message] = warned(one, 2)
+    assert "over 2 ranks" in message, message
+    assert "1/2 of the data" in message, message
+    assert 'devices per machine and num_nodes, with strategy="ddp"' in message, message
+    os.environ["WORLD_SIZE"] = "2"
+    [message] = warned(one, 1)
+    assert "WORLD_SIZE is 2 but the Trainer's world_size is 1" in message, message
+    assert "all the data" in message, message
+
+
+@pytest.mark.timeout(200)
+def test_a_loader_sharded_by_rank_under_a_trainer_of_one_process_warns() -> None:
+    """:func:`_check_warnings`, in a process of its own: Lightning imports torch._dynamo,
+    which slows every later loader of the test process (NOTE [ Heavy imports last ] in
+    conftest.py)."""
+    assert run_job([sys.executable, __file__, "warnings"], "none", TIMEOUT) == 0
+
+
 if __name__ == "__main__":
-    _job(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    if sys.argv[1] == "warnings":
+        _check_warnings()
+    else:
+        _job(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
