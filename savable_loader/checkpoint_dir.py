@@ -155,7 +155,8 @@ def load_checkpoint(
     except Exception as error:
         failure = error
     _agree(group, failure, "load_checkpoint", StateError)
-    assert metadata is not None
+    if metadata is None:  # _agree raised on every rank if the read failed on any
+        raise StateError(f"internal error: no checkpoint metadata read from {root}; please report")
     same = metadata.world_size == loader.world_size and (
         metadata.num_workers == loader.layout.num_workers
     )

@@ -221,7 +221,7 @@ def test_an_iterable_pipeline_still_retries_the_item_with_our_error():
         iterator = iter(loader)
         assert [next(iterator), next(iterator)] == [0, 1]
         for _ in range(2):
-            with pytest.raises(DatasetError, match="next\(\) retries it") as caught:
+            with pytest.raises(DatasetError, match=r"next\(\) retries it") as caught:
                 next(iterator)
             assert not isinstance(caught.value, OSError)
 
