@@ -49,6 +49,7 @@ from .state.names import name_changes
 
 __all__ = [
     "check_compatible",
+    "check_pipeline_states",
     "own_state",
     "saved_on_layout",
     "state_from_dict",
@@ -195,7 +196,36 @@ def check_compatible(state: RankState, layout: Layout) -> None:
             "or the loader arguments drop_last / collate_fn differ. Rebuild the pipeline "
             "exactly as it was when the state was saved"
         )
+    check_pipeline_states(state, layout)
     check_replays(state, layout)
+
+
+def _context(layout: Layout, worker_id: int) -> WorkerContext:
+    """The context of worker ``worker_id`` of ``layout``'s rank."""
+    return WorkerContext(
+        layout.rank,
+        layout.world_size,
+        worker_id,
+        layout.num_workers,
+        layout.seed,
+        layout.batch_size,
+    )
+
+
+def check_pipeline_states(state: RankState, layout: Layout) -> None:
+    """Refuses a worker checkpoint whose pipeline state the pipeline's stages would refuse
+    or misread, ended workers' included (NOTE [ States checked at the door ] in
+    ``datasets/stage.py``).
+
+    Raises:
+        StateError: A checkpoint's state is malformed; names its path and saved value.
+    """
+    for worker in state.workers:
+        if worker.checkpoint is not None:
+            at = f"workers[{worker.worker_id}].checkpoint.state"
+            layout.root.check_state(
+                worker.checkpoint.state, _context(layout, worker.worker_id), at=at
+            )
 
 
 def check_replays(state: RankState, layout: Layout) -> None:
@@ -209,15 +239,7 @@ def check_replays(state: RankState, layout: Layout) -> None:
         checkpoint = worker.checkpoint
         if checkpoint is None or worker.ended:
             continue
-        context = WorkerContext(
-            layout.rank,
-            layout.world_size,
-            worker.worker_id,
-            layout.num_workers,
-            layout.seed,
-            layout.batch_size,
-        )
-        left = layout.root.items_left(checkpoint.state, context)
+        left = layout.root.items_left(checkpoint.state, _context(layout, worker.worker_id))
         if left is not None and worker.replay > left:
             raise StateError(
                 f"invalid loader state: workers[{worker.worker_id}].delivered is "

@@ -89,8 +89,8 @@ class Batch(Transform[Any]):
     def describe_own(self) -> str:
         return f"batch({self.batch_size}, drop_last={self.drop_last})"
 
-    def cursor(self, context: WorkerContext) -> Cursor[Any]:
-        return _BatchCursor(self, self.source.cursor(context), context)
+    def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[Any]:
+        return _BatchCursor(self, parent, context)
 
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         """Batches left: those the source's items left fill (NOTE [ Checking a replay ]

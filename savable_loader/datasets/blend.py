@@ -42,7 +42,7 @@ from pydantic import Field
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from .adapt import as_stage
-from .cursor import Cursor, StageState
+from .cursor import AnyState, Cursor, StageState
 from .stage import Stage, fluent
 
 __all__ = ["Blend"]
@@ -137,7 +137,12 @@ class Blend(Stage[T]):
         return tuple(self.sources)
 
     def cursor(self, context: WorkerContext) -> Cursor[T]:
-        return _BlendCursor(self, context)
+        return _BlendCursor(self, context, [source.cursor(context) for source in self.sources])
+
+    def checking_cursor(self, context: WorkerContext) -> Cursor[T]:
+        """A Blend over sources that take any state (NOTE [ States checked at the door ]
+        in ``stage.py``)."""
+        return _BlendCursor(self, context, [AnyState(context) for _ in self.sources])
 
 
 def _weights(weights: Sequence[float], count: int) -> list[float]:
@@ -159,8 +164,8 @@ class _BlendCursor(Cursor[T]):
     State = _State
     stage_name = "Blend"
 
-    def __init__(self, stage: Blend[T], context: WorkerContext) -> None:
-        super().__init__(context, *(source.cursor(context) for source in stage.sources))
+    def __init__(self, stage: Blend[T], context: WorkerContext, sources: list[Cursor[Any]]) -> None:
+        super().__init__(context, *sources)
         self.stage = stage
         self.sources = self.parents
         self.weights = list(stage.weights)

@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..config import WorkerContext
 from ..errors import SavableLoaderError, StateError
 
-__all__ = ["Cursor", "StageState", "TransformCursor", "validate_state"]
+__all__ = ["AnyState", "Cursor", "StageState", "TransformCursor", "validate_state"]
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -287,3 +287,26 @@ class TransformCursor(Cursor[T]):
 
     def __init__(self, parent: Cursor[Any], context: WorkerContext) -> None:
         super().__init__(context, parent)
+
+
+class AnyState(Cursor[Any]):
+    """A parent that takes any state and is never read: what a stage's checking cursor
+    reads from, so that restoring it checks that stage's own part of a state alone (NOTE
+    [ States checked at the door ] in ``stage.py``).
+
+    Args:
+        context: The rank and worker the checking cursor reads for.
+    """
+
+    def __init__(self, context: WorkerContext) -> None:
+        super().__init__(context)
+        self.held: Any = None
+
+    def __next__(self) -> Any:
+        raise SavableLoaderError("a cursor that checks a state was read; please report")
+
+    def own_state(self) -> Any:
+        return self.held
+
+    def restore_own(self, state: Any | None) -> None:
+        self.held = state

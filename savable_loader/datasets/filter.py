@@ -53,8 +53,8 @@ class Filter(Transform[T]):
     def describe_own(self) -> str:
         return f"filter({getattr(self.predicate, '__name__', type(self.predicate).__name__)})"
 
-    def cursor(self, context: WorkerContext) -> Cursor[T]:
-        return _FilterCursor(self.predicate, self.source.cursor(context), context)
+    def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[T]:
+        return _FilterCursor(self.predicate, parent, context)
 
     def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
         """Elastic when the source is: a filter adds no state (NOTE [ Elastic resume ])."""

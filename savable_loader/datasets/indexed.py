@@ -210,6 +210,11 @@ class IndexedDataset(Stage[T]):
             'with an empty epoch; use even="pad" or fewer ranks'
         )
 
+    def checking_cursor(self, context: WorkerContext) -> IndexedCursor[T]:
+        """A cursor to restore a state into (NOTE [ States checked at the door ] in
+        ``stage.py``): restoring reads nothing."""
+        return self.cursor(context)
+
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         cursor = self.cursor(context)
         cursor.restore(state)

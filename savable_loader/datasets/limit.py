@@ -84,8 +84,8 @@ class Limit(Transform[T]):
     def describe_own(self) -> str:
         return f"limit({self.n})"
 
-    def cursor(self, context: WorkerContext) -> Cursor[T]:
-        return _LimitCursor(self.n, self.source.cursor(context), context)
+    def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[T]:
+        return _LimitCursor(self.n, parent, context)
 
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         if not isinstance(state, dict) or "parent" not in state:

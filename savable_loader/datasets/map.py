@@ -88,8 +88,7 @@ class Map(Transform[U]):
             return parent
         return {**parent, "epoch": plan.epoch, "position": 0, "salt": plan.salt}
 
-    def cursor(self, context: WorkerContext) -> Cursor[U]:
-        parent = self.source.cursor(context)
+    def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[U]:
         if self.seed is None:
             return _MapCursor(self, parent, context)
         return _SeededMapCursor(self, parent, context)

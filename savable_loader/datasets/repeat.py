@@ -85,8 +85,8 @@ class Repeat(Transform[T]):
     def describe_own(self) -> str:
         return "repeat()" if self.times is None else f"repeat({self.times})"
 
-    def cursor(self, context: WorkerContext) -> Cursor[T]:
-        return _RepeatCursor(self.times, self.source.cursor(context), context)
+    def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[T]:
+        return _RepeatCursor(self.times, parent, context)
 
 
 class _Passes(StageState):

@@ -117,8 +117,8 @@ class Shuffle(Transform[T]):
     def describe_own(self) -> str:
         return f"shuffle(buffer_size={self.buffer_size}, seed={self.seed})"
 
-    def cursor(self, context: WorkerContext) -> Cursor[T]:
-        return _ShuffleCursor(self, self.source.cursor(context), context)
+    def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[T]:
+        return _ShuffleCursor(self, parent, context)
 
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         """What the parent has left from the restore point, less the items of its window

@@ -12,18 +12,38 @@ NOTE [ Fluent construction ]
 modules that import this one, so this module does not import them: each registers its
 class under its fluent name with :func:`fluent` when its module is imported, which the
 package ``savable_loader.datasets`` does for all of them.
+
+NOTE [ States checked at the door ]
+A restore checks every worker's pipeline state against the stage tree in the main
+process, before any worker starts (``check_state``, called by ``check_compatible`` in
+``_compat.py``), so that a malformed state is refused by the restore and not at the
+first ``next()``, nor worse read as some other position. The tree is walked from the
+root (the loader's ``Batch``) along the state: each of the library's stages builds a
+cursor of itself alone over parents that take any state (``checking_cursor``, reading
+from :class:`~savable_loader.datasets.cursor.AnyState`) and restores its part into it,
+so the check is the very restore a worker makes (the structure, the stage's ``State``
+model, what ``restore_own`` refuses), and nothing is read: no data, none of the user's
+code. A user's dataset holds its own position (NOTE [ A dataset is its own position ] in
+``adapt.py``), so its part is opaque and left to its own ``restore_state`` in the worker.
+Where a library stage's position must be, a None is refused: such a stage never saves
+None, and its cursor would read None as the start of epoch 0, so the worker would start
+the epoch over while the loader counts the saved position. (A worker that never started
+has no checkpoint at all, which is the legitimate start: ``WorkerState.checkpoint`` is
+None then.) A file source's byte offset against its file's size needs the file: it is
+checked where the file is opened at the restored offset, and in the restore itself when
+the loader has no workers (``ShardedSource.checking_cursor``).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, final
 
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..config import WorkerContext
-from ..errors import SavableLoaderError
+from ..errors import SavableLoaderError, StateError, StateFormatError
 from .cursor import Cursor
 from .elastic import NotElastic, ReshardPlan
 
@@ -113,6 +133,52 @@ class Stage(IterableDataset[T], abc.ABC):
         """
         return None
 
+    def checking_cursor(self, context: WorkerContext) -> Cursor[T] | None:
+        """A cursor of this stage alone, over parents that take any state, into which a
+        saved state is restored to check it (NOTE [ States checked at the door ]); it
+        reads no data and runs none of the user's code. None (the default): this stage's
+        state is its dataset's own, which only the dataset can read."""
+        return None
+
+    @final
+    def check_state(self, state: Any, context: WorkerContext, *, at: str = "state") -> None:
+        """Refuses ``state`` where a cursor of this pipeline for ``context`` would refuse
+        it or read it as another position (NOTE [ States checked at the door ]).
+
+        Args:
+            state: The pipeline state, as a cursor's ``state()`` gave it.
+            context: The rank and worker whose state it is.
+            at: Where ``state`` stands in the loader state, for messages.
+
+        Raises:
+            StateError: ``state`` is malformed; the message names the path, the saved
+                value and the fix.
+        """
+        cursor = self.checking_cursor(context)
+        if cursor is None:
+            return
+        if state is None:
+            raise StateFormatError(
+                f"invalid loader state: {at} is None where the position of {cursor.name} "
+                "must be; that stage never saves None, and a restore would start its "
+                "epoch over while the loader counts the saved position. Restore a state "
+                "saved by the same pipeline"
+            )
+        try:
+            cursor.restore(state)
+        except StateError as error:
+            raise type(error)(
+                f"invalid loader state: {at}: {error} (saved: {_shown(state)})"
+            ) from None
+        if not cursor.parents:
+            return
+        if len(cursor.parents) == 1:
+            parts = [(f"{at}.parent", state["parent"])]
+        else:  # the restore checked that the state holds one entry per source
+            parts = [(f"{at}.sources[{i}]", part) for i, part in enumerate(state["sources"])]
+        for child, (path, part) in zip(self.children, parts, strict=True):
+            child.check_state(part, context, at=path)
+
     def check_layout(self, context: WorkerContext) -> None:
         """Refuses a layout on which some stream would get no data at all, which would
         leave its rank without steps while the others wait for it in a collective. The
@@ -182,3 +248,10 @@ class Stage(IterableDataset[T], abc.ABC):
     def blend(self, others: Sequence[Any], *, weights: Sequence[float], seed: int) -> Stage[Any]:
         """Returns ``Blend([self, *others], weights=weights, seed=seed)``."""
         return _built("blend", [self, *others], weights=weights, seed=seed)
+
+
+def _shown(value: Any, limit: int = 160) -> str:
+    """``value`` as a message shows a saved value: its repr, cut after ``limit``
+    characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
