@@ -19,7 +19,7 @@ from typing import IO, Any, Generic, TypeVar
 from ..config import WorkerContext
 from ..errors import StateError, StorageError
 from .cursor import Cursor
-from .file_rest import Rest, check_begun
+from .file_rest import Rest, check_begun, seek_checked
 from .files import storage_errors
 from .retry import retrying
 from .sample_split import Spans, locate, stream_run
@@ -87,6 +87,9 @@ class ShardCursor(Cursor[T]):
         self.at = 0
         self.spans: Spans | None = None
         self._run: _Run[T] | None = None
+        #: A restore opens the file at the restored offset to check it (else the first
+        #: read does): NOTE [ States checked at the door ] in ``stage.py``.
+        self.check_files = False
         if stage.split == "files" and context.shard_index >= len(stage.urls):
             logger.warning(
                 "%s: %d files for %d streams (%d ranks x %d workers): rank %d worker %d "
@@ -271,8 +274,7 @@ class ShardCursor(Cursor[T]):
             with storage_errors(url):
                 file = self.stage.open(url, stream=True)
                 try:
-                    if self.offset:
-                        file.seek(self.offset)
+                    seek_checked(file, self.offset, url, self._where())
                 except BaseException:
                     file.close()
                     raise
@@ -366,6 +368,17 @@ class ShardCursor(Cursor[T]):
         self.rest = rest
         self._files = (-1, [], [])
         self.move(model.epoch, model.shard, position)
+        if self.check_files:
+            self._check_offset(self.url())
+
+    def _check_offset(self, url: str | None) -> None:
+        """Opens ``url`` at the restored offset, which refuses one past its end, and
+        closes it again."""
+        if url is not None and self.offset:
+            try:
+                self.attempt(url, functools.partial(self.open_file, url))
+            finally:
+                self.close_own()
 
     def _where(self) -> str:
         context = self.context
@@ -384,6 +397,8 @@ class ShardCursor(Cursor[T]):
                     f"{self._where()}: file {model.file} is past the epoch's "
                     f"{len(self.stage.urls)} files; restore a state saved by the same pipeline"
                 )
+            if self.check_files and model.file < len(self.stage.urls):
+                self._check_offset(self._url(model.file))
             return
         if model.samples is not None and model.samples != run.samples:
             raise StateError(
@@ -405,3 +420,5 @@ class ShardCursor(Cursor[T]):
                     f"the stream's sample {model.taken} lies (file {place}, sample {index}); "
                     "restore a state saved by the same pipeline"
                 )
+            if self.check_files and not fresh:
+                self._check_offset(self._url(place))

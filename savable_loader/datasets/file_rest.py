@@ -25,10 +25,11 @@ one begun file per saved stream.
 from __future__ import annotations
 
 import functools
+import io
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Protocol
+from typing import IO, Annotated, Any, ClassVar, Protocol
 
 from pydantic import Field
 
@@ -37,7 +38,7 @@ from ..errors import StateError
 from .cursor import StageState
 from .elastic import ReshardPlan
 
-__all__ = ["FileLayout", "Rest", "ShardState", "check_begun", "reshard_files"]
+__all__ = ["FileLayout", "Rest", "ShardState", "check_begun", "reshard_files", "seek_checked"]
 
 Place = Annotated[int, Field(ge=0)]
 
@@ -145,6 +146,36 @@ def check_begun(
             f"{where}: position {now} lies before {then}, where the file resumes in this "
             "epoch; restore a state saved by the same pipeline"
         )
+
+
+def seek_checked(file: IO[bytes], offset: int, url: str, where: str) -> None:
+    """Moves ``file`` (decompressed) to the byte ``offset`` of a restored position.
+
+    Seeking past the end of a file succeeds and the next read finds the end, which would
+    skip the rest of the file silently; so the byte before ``offset`` is read.
+
+    Raises:
+        StateError: ``offset`` lies past the end of the file; names it, the offset and
+            the file's size.
+    """
+    if offset <= 0:
+        return
+    try:
+        file.seek(offset - 1)
+    except (OSError, OverflowError, ValueError):
+        pass  # farther than the file system seeks: past the end
+    else:
+        if file.read(1):
+            return
+    try:
+        size = file.seek(0, io.SEEK_END)
+    except (OSError, ValueError):  # a stream that cannot seek from its end stands there
+        size = file.tell()
+    raise StateError(
+        f"{where}: the state's byte offset {offset} lies past the end of {url}, which "
+        f"holds {size} bytes (decompressed); the file changed since the save, or the "
+        "state is another file's: restore a state saved over the same files"
+    )
 
 
 class FileLayout(Protocol):

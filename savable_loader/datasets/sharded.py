@@ -60,7 +60,7 @@ from .counts_file import (
     same_file,
 )
 from .counts_file import write_counts as write_counts_file
-from .cursor import validate_state
+from .cursor import Cursor, validate_state
 from .elastic import ReshardPlan
 from .file_access import FileAccess
 from .file_rest import Rest, ShardState, reshard_files
@@ -411,6 +411,15 @@ class ShardedSource(FileAccess, Stage[T]):
         cursor = self.cursor(context)
         cursor.restore(state)
         return cursor.left()  # type: ignore[attr-defined,no-any-return]
+
+    def checking_cursor(self, context: WorkerContext) -> Cursor[T]:
+        """A cursor to restore a state into (NOTE [ States checked at the door ] in
+        ``stage.py``); without workers it opens the file at the restored offset, as the
+        first read in this process would."""
+        cursor = self.cursor(context)
+        if context.num_workers == 0 and hasattr(cursor, "check_files"):  # a ShardCursor
+            cursor.check_files = True
+        return cursor
 
     def zero_position(self) -> dict[str, int]:
         """The position at the start of a file, as the state names it."""
