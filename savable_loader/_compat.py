@@ -12,9 +12,14 @@ NOTE [ state_dict for checkpoints ]
 ``state_dict()`` and fills the same keys from the checkpoint, so the key structure must
 not depend on where the stream is (a worker's checkpoint is None before it starts).
 It also keeps one copy of a non-tensor value per key across ranks, so ranks must not
-share a key. Hence one key per data-parallel rank holding the encoded state as bytes:
-ranks with the same data-parallel rank (tensor-parallel peers) yield the same stream, so
-one copy of their states serves them all.
+share a key. Hence one key per data-parallel rank holding the encoded state: ranks with
+the same data-parallel rank (tensor-parallel peers) yield the same stream, so one copy of
+their states serves them all. The encoded state is a state file's bytes (checked header,
+msgpack body) written as base64 text, so that the dict is JSON as it is: torchdata's
+suite ``json.dumps`` a loader's state, users keep it in JSON metadata beside their
+checkpoints, and ``torch.load(weights_only=True)`` takes a str on every torch version
+(torch 2.4 refused bytes). ``load_state_dict`` also takes the bytes that versions before
+it wrote, and a plain ``RankState`` dict.
 
 NOTE [ Checking a replay ]
 A restored worker restores its checkpoint and then skips ``delivered - checkpoint.seq``
@@ -93,8 +98,8 @@ def state_key(rank: int) -> str:
 
 
 def state_from_dict(state_dict: Any, layout: Layout) -> RankState:
-    """This rank's state from what ``state_dict()`` returned (or a plain ``RankState``
-    dict).
+    """This rank's state from what ``state_dict()`` returned (base64 text, or bytes as
+    earlier versions returned them), or a plain ``RankState`` dict.
 
     Raises:
         StateError: The dict is malformed or holds no entry for this rank.

@@ -406,17 +406,17 @@ class SavableDataLoader(
         """
         return _elastic.reshard(one_save(states), self.layout, rank, approximate=approximate)
 
-    def state_dict(self) -> dict[str, bytes]:
-        """Returns this rank's state for ``torch.distributed.checkpoint`` or ``torch.save``.
+    def state_dict(self) -> dict[str, Any]:
+        """Returns this rank's state for ``torch.distributed.checkpoint``, ``torch.save``, JSON.
 
         The result is ``{"rank_<r>": <encoded state>}``: one key per data-parallel rank,
-        whose value is :meth:`save_state_rank` encoded as a state file's bytes (msgpack
-        behind a checked header). See NOTE [ state_dict for checkpoints ] in ``_compat.py``.
+        whose value is :meth:`save_state_rank` as a state file's bytes (a checked header,
+        msgpack) in base64 text. See NOTE [ state_dict for checkpoints ] in ``_compat.py``.
         """
-        return {state_key(self.rank): encode_state(self.save_state_rank())}
+        return {state_key(self.rank): encode_state(self.save_state_rank(), text=True)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores what :meth:`state_dict` returned (or a plain ``RankState`` dict).
+        """Restores what :meth:`state_dict` returns (or returned as bytes), or a ``RankState``.
 
         Raises:
             StateError: The state is malformed, holds no entry for this rank, or was

@@ -20,8 +20,10 @@ its one writer.
   again.
 * Writes are atomic: the bytes go to a temp file in the same folder, are fsynced and renamed
   over ``<key>.data``; the sidecar is removed before and written (temp file, rename) after, so a
-  sidecar never describes a partial file. A download killed midway leaves only a ``.tmp-*``
-  file, removed by a later eviction once an hour old.
+  sidecar never describes a partial file; it records a checksum of the bytes (NOTE [ Checked
+  entries ] in ``cache_entries.py``; no link in the folder is followed: NOTE [ A shared
+  folder ] there). A process's exit cancels its downloads and removes their temp files; one
+  killed midway leaves a ``.tmp-*`` file, removed by a later eviction once an hour old.
 * Locks: a reader holds ``.lock`` shared from before it checks the entry until its file is
   closed (a prefetched entry is held the same way until the reader opens it). A download holds
   ``.download`` exclusively, so one process downloads and the others wait and then read its
@@ -39,8 +41,8 @@ its one writer.
   unreadable or an hour old: so many small files cost no scan each.
 * A file larger than ``cache_limit`` is not cached: it is streamed from the store as without a
   cache (counted as a miss, not as downloaded bytes).
-* Files are opened from the cache with fsspec's local filesystem and decompressed by the URL's
-  extension, as ``compression="infer"`` does for the remote file.
+* Files are opened from the cache as local files and decompressed by the URL's extension, as
+  ``compression="infer"`` does for the remote file.
 * A stream's reader that downloads a large file itself reads it as it arrives (NOTE [ Reading
   a download ] in ``cache_stream.py``); eviction and the usage record are ``cache_evict.py``'s.
 
@@ -51,20 +53,21 @@ current one is read (``ShardCursor.upcoming`` and NOTE [ Prefetching token files
 depend on them. Their errors are logged at DEBUG and dropped; the reader's own open downloads,
 retries and raises as without them. An entry a prefetch validated is held, and opened without
 asking ``info()`` again (at most ``prefetch`` per process: the oldest, never opened, is let go).
-The threads are daemons, exit after a second idle, stop at :meth:`FileCache.close`, and are
-rebuilt when needed. A forked child (a DataLoader worker) closes its copies of the locks its
-parent held, so that it keeps no entry from eviction that it does not use.
+The threads are daemons, exit after a second idle, stop at :meth:`FileCache.close` and at the
+process's exit (cancelling their downloads; the entries they held are evicted as at a reader's
+close), and are rebuilt when needed. A forked child (a DataLoader worker) closes its copies of
+the locks its parent held, so that it keeps no entry from eviction that it does not use.
 
 Near 500 lines: the cache, its locks and its download threads share held locks and pins.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import functools
 import io
 import logging
+import multiprocessing.util
 import os
 import queue
 import threading
@@ -74,24 +77,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import fsspec
-from fsspec.compression import compr
-from fsspec.core import get_compression
-
 from .cache_entries import (
+    Verified,
     cacheable,
     commit,
     entry_path,
     final_error,
+    intact,
     is_valid,
+    open_fd,
     signature_of,
     temp_path,
 )
 from .cache_evict import evict, evict_after_close, over, record
 from .cache_probe import asks, probe, range_reader, write_rest
-from .cache_stream import STREAM_MIN_BYTES, Download, GrowingFile, fetch_into
+from .cache_stream import STREAM_MIN_BYTES, Download, GrowingFile, InFlight, fetch_into
 from .cache_stream import Changed as _Changed
-from .held_file import HeldFile
+from .held_file import HeldFile, HeldLocks, decompressed
 from .retry import RetryPolicy, retrying
 from .storage_stats import CacheStats
 
@@ -103,16 +105,27 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_LIMIT = 10 * 2**30
 
 _IDLE_SECONDS = 1.0
-#: Signatures (:func:`signature_of`) by URL.
-_Signatures = dict[str, dict[str, Any]]
+#: How long a process's exit waits for its cancelled downloads before removing their files.
+_EXIT_SECONDS = 1.0
 
-#: Every cache object of this process, whose inherited locks a forked child lets go.
+#: Every cache object of this process: a forked child lets go of what they hold, and the
+#: process's exit (a worker's too: multiprocessing's finalizers) of all they do.
 _CACHES: weakref.WeakSet[FileCache] = weakref.WeakSet()
+_EXIT_HOOK = [0]  # the process that registered _at_exit
 
 
 def _after_fork_in_child() -> None:
     for cache in list(_CACHES):
         cache._forget_inherited()
+
+
+def _at_exit() -> None:
+    for cache in list(_CACHES):  # downloads cancelled, the files of those left removed
+        cache._flight.stop(every=True)  # the threads stop at their next bytes
+        cache.close(wait=_EXIT_SECONDS)
+        cache._flight.end(_EXIT_SECONDS)
+        if cache._locks.drop_all() and over(cache.directory):  # readers' files: never closed
+            evict_after_close(cache.directory, cache.limit)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -130,11 +143,12 @@ class FileCache:
 
     def __init__(self, directory: str | os.PathLike[str], limit: int, prefetch: int) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # NOTE [ A shared folder ]
         self.limit = limit
         self.prefetch = prefetch
         self.stats = CacheStats()
-        self._local = fsspec.filesystem("file")
+        self._verified = Verified()  # NOTE [ Checked entries ] in cache_entries.py
+        self._flight = InFlight()
         self._mutex = threading.Lock()
         self._checked: dict[str, dict[str, Any]] = {}  # prefetched: url -> signature
         self._pinned: dict[str, int] = {}  # prefetched: url -> fd of its shared lock
@@ -142,8 +156,11 @@ class FileCache:
         self._jobs: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._held: set[int] = set()  # lock fds of the entries this object holds
+        self._locks = HeldLocks()  # of the entries this object holds
         _CACHES.add(self)
+        if _EXIT_HOOK[0] != os.getpid():
+            _EXIT_HOOK[0] = os.getpid()
+            multiprocessing.util.Finalize(None, _at_exit, exitpriority=10)
 
     def path(self, url: str, suffix: str) -> Path:
         """The file of ``url``'s entry with ``suffix`` (``.data``, ``.json``, ``.lock``...)."""
@@ -171,8 +188,7 @@ class FileCache:
         download ] in ``cache_stream.py``), its ranges retried under ``retry``.
 
         Raises:
-            Exception: What ``fs`` raised (the caller turns it into a StorageError and
-                retries it).
+            Exception: What ``fs`` raised (the caller makes it a StorageError, retried).
         """
         started = time.perf_counter()
         try:
@@ -206,12 +222,12 @@ class FileCache:
             pinned = self._pinned.pop(url, None)
             self._wanted.discard(url)
         if pinned is not None:
-            self._drop(pinned)
+            self._locks.drop(pinned)
         self._count(misses=1 if downloaded else 0, hits=0 if downloaded else 1)
         try:
             files = self._open_local(url, download)
         except BaseException:
-            self._drop(fd)
+            self._locks.drop(fd)
             raise
         return HeldFile(files, functools.partial(self._release, fd))  # type: ignore[return-value]
 
@@ -222,48 +238,31 @@ class FileCache:
         ``cache_probe.py``); they count as downloaded."""
         with self._mutex:
             prefetching = url in self._wanted  # its download is under way: wait for it
-        if not prefetching and not self.path(url, ".json").exists():
+        if not prefetching and not os.path.lexists(self.path(url, ".json")):
             probed = probe(fs, url)
             if probed is not None:
                 self._count(bytes_downloaded=len(probed[1]))
                 return signature_of(probed[0]), probed[1]
         return signature_of(fs.info(url)), None
 
-    def _drop(self, fd: int) -> None:
-        """Closes ``fd``, a held entry's lock, unless a fork already let it go here."""
-        with self._mutex:
-            if fd not in self._held:
-                return
-            self._held.discard(fd)
-        os.close(fd)
-
     def _forget_inherited(self) -> None:
-        """In a forked child: closes the child's copies of the parent's entry locks (the
-        parent keeps its own), so the child holds nothing it does not use."""
+        """In a forked child: lets go of the parent's locks, threads and downloads."""
         self._mutex = threading.Lock()
         self._threads, self._pinned, self._checked, self._wanted = [], {}, {}, set()
-        self._jobs = queue.Queue()
-        held, self._held = self._held, set()
-        for fd in held:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._jobs, self._flight, self._verified = queue.Queue(), InFlight(), Verified()
+        self._locks.forget()
 
     def _release(self, fd: int) -> None:
-        self._drop(fd)
+        self._locks.drop(fd)
         if over(self.directory):
             evict_after_close(self.directory, self.limit)
 
     def _open_local(self, url: str, download: Download | None = None) -> tuple[IO[bytes], ...]:
-        """The entry's file (or the one ``download`` writes), and the decompressed view of
-        it when the URL names a compression (both to close)."""
+        """The entry's file (or the one ``download`` writes), decompressed (``decompressed``)."""
         if download is None:
-            raw = self._local.open(str(self.path(url, ".data")), "rb")
-        else:
-            raw = io.BufferedReader(GrowingFile(download, self._waited))
-        compression = get_compression(url, "infer")
-        if compression is None:
-            return (raw,)
-        return compr[compression](raw, mode="rb"), raw
+            return decompressed(os.fdopen(open_fd(self.path(url, ".data"), os.O_RDONLY), "rb"), url)
+        growing = GrowingFile(download, lambda waited: self._count(wait_seconds=waited))
+        return decompressed(io.BufferedReader(growing), url)
 
     def _hold(
         self,
@@ -276,27 +275,24 @@ class FileCache:
         retry: RetryPolicy | None = None,
         first: bytes | None = None,
     ) -> tuple[int, bool, Download | None]:
-        """A shared lock on a valid entry of ``url`` (its fd), whether this call downloaded
-        it (``prefetch``: for a prefetch thread), and with ``stream``, the download still
-        running for a large file (NOTE [ Reading a download ] in ``cache_stream.py``). The
-        shared lock is taken first and kept, so no eviction removes the entry between its
-        download and its use. ``retry``: the policy of a streamed download's ranges;
-        ``first``: the file's first bytes, from the request that took its signature."""
-        fd = os.open(self.path(url, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        """A shared lock on a valid, intact entry of ``url`` (its fd; NOTE [ Checked entries ]
+        in ``cache_entries.py``), whether this call downloaded it (``prefetch``: for a
+        prefetch thread), and with ``stream``, the download still running for a large file
+        (NOTE [ Reading a download ]). The shared lock is taken first and kept, so no eviction
+        removes the entry between its download and its use. ``retry``: the policy of a
+        streamed download's ranges; ``first``: the file's first bytes, from a probe."""
+        fd = self._locks.take(self.path(url, ".lock"), fcntl.LOCK_SH)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if is_valid(self.directory, url, signature):
-                os.utime(self.path(url, ".data"))
-                with self._mutex:
-                    self._held.add(fd)
+            if intact(self.directory, url, signature, self._verified):
                 return fd, False, None
             downloaded, download = False, None
-            lock: int | None = self._lock(self.path(url, ".download"))
+            lock: int | None = self._locks.take(self.path(url, ".download"), fcntl.LOCK_EX)
             try:
-                if not is_valid(self.directory, url, signature):  # another may have downloaded it
+                if not intact(self.directory, url, signature, self._verified):  # downloaded since?
                     downloaded = True
                     if stream and signature["size"] >= STREAM_MIN_BYTES:
-                        download = Download(temp_path(self.directory, url), signature["size"])
+                        temp = self._flight.add(temp_path(self.directory, url))
+                        download = Download(temp, signature["size"])
                         threading.Thread(
                             target=self._stream,
                             args=(url, fs, signature, download, lock, retry, first),
@@ -308,28 +304,13 @@ class FileCache:
                         self._download(url, fs, signature, prefetch=prefetch, first=first)
             finally:
                 if lock is not None:
-                    self._drop(lock)
+                    self._locks.drop(lock)
             if download is None and not is_valid(self.directory, url, signature):
                 raise _Changed(f"{url} changed while it was being cached")
         except BaseException:
-            os.close(fd)
+            self._locks.drop(fd)
             raise
-        with self._mutex:
-            self._held.add(fd)
         return fd, downloaded, download
-
-    def _lock(self, path: Path) -> int:
-        """An exclusive lock on ``path`` (its fd, closed by :meth:`_drop`), which a forked
-        child lets go (``_forget_inherited``)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except BaseException:
-            os.close(fd)
-            raise
-        with self._mutex:
-            self._held.add(fd)
-        return fd
 
     def _stream(
         self,
@@ -348,19 +329,17 @@ class FileCache:
 
         try:
             read = range_reader(fs, url, signature["etag"])
-            fetch_into(fs, url, download, self._count_bytes, retried, first=first or b"", read=read)
-            self._commit(url, download.temp, signature, counted=True)
+            counted = self._landed(prefetch=False)
+            crc = fetch_into(fs, url, download, counted, retried, first=first or b"", read=read)
+            self._commit(url, download.temp, signature, crc, counted=True)
         except BaseException as exc:
             download.temp.unlink(missing_ok=True)
             download.end(final_error(self.directory, url, exc))
         else:
             download.end()
         finally:
-            self._drop(lock)
-
-    def _waited(self, seconds: float) -> None:
-        with self._mutex:
-            self.stats.wait_seconds += seconds
+            self._flight.discard(download.temp)
+            self._locks.drop(lock)
 
     def _download(
         self,
@@ -371,43 +350,56 @@ class FileCache:
         prefetch: bool = False,
         first: bytes | None = None,
     ) -> None:
-        """Downloads ``url`` into its entry (the caller holds its download lock), after
-        its ``first`` bytes when a probe fetched them (NOTE [ Probing a download ] in
-        ``cache_probe.py``). The download is counted before the sidecar makes the entry
-        valid, so a reader that finds it valid also finds it counted."""
-        temp = temp_path(self.directory, url)
+        """Downloads ``url`` into its entry (the caller holds its download lock), after its
+        ``first`` bytes when a probe fetched them (NOTE [ Probing a download ]); counted
+        before the sidecar makes the entry valid, as a reader that finds it valid expects."""
+        temp = self._flight.add(temp_path(self.directory, url))  # removed at exit if left
         ours = first is not None or asks(fs, url)
         try:
             if ours:  # counted as it lands (a probe's bytes already are)
-                write_rest(fs, url, signature, first or b"", temp, self._count_bytes)
+                landed = self._landed(prefetch)
+                crc = write_rest(fs, url, signature, first or b"", temp, landed)
             else:
+                crc = None  # read back for the checksum (NOTE [ Checked entries ])
+                os.close(open_fd(temp, os.O_RDONLY | os.O_CREAT | os.O_EXCL))  # ours, not a link
                 fs.get_file(url, str(temp))  # one GET on object stores (open would HEAD first)
-            self._commit(url, temp, signature, prefetch=prefetch, counted=ours)
+            self._commit(url, temp, signature, crc, prefetch=prefetch, counted=ours)
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
+        finally:
+            self._flight.discard(temp)
+
+    def _landed(self, prefetch: bool) -> Callable[[int], None]:
+        """Counts bytes as they land; stops a download ``InFlight`` cancels."""
+
+        def landed(size: int) -> None:
+            self._flight.check(prefetch)
+            self._count(bytes_downloaded=size)
+
+        return landed
 
     def _commit(
         self,
         url: str,
         temp: Path,
         signature: dict[str, Any],
+        crc: int | None,
         *,
         prefetch: bool = False,
         counted: bool = False,
     ) -> None:
         """Makes ``temp`` ``url``'s entry (``cache_entries.commit``), counting its bytes
-        unless they were ``counted`` as they landed, and keeps the folder's usage."""
+        unless they were ``counted`` as they landed, and keeps the folder's usage; not
+        once the process exits (:meth:`exit`)."""
 
         def count(size: int) -> None:
             self._count(bytes_downloaded=0 if counted else size, prefetched=int(prefetch))
 
-        size = commit(self.directory, url, temp, signature, count)
+        with self._flight.committing():
+            size = commit(self.directory, url, temp, signature, crc, count, self._verified)
         logger.debug("%s: %d bytes downloaded into %s", url, size, self.path(url, ".data"))
         record(self.directory, self.limit, size)
-
-    def _count_bytes(self, size: int) -> None:
-        self._count(bytes_downloaded=size)
 
     def _count(self, **added: float) -> None:
         with self._mutex:
@@ -415,13 +407,14 @@ class FileCache:
                 setattr(self.stats, name, getattr(self.stats, name) + value)
 
     def evict(self) -> None:
-        """Removes the least recently used entries no one holds until the folder's
-        entries take at most ``limit`` bytes (NOTE [ File cache ])."""
+        """Removes least recently used entries no one holds, down to ``limit`` bytes."""
         evict(self.directory, self.limit)
 
     # -- prefetching (NOTE [ Prefetching files ]) ----------------------------------------
 
-    def want(self, urls: list[str], fs_for: Callable[[str], Any], known: _Signatures) -> None:
+    def want(
+        self, urls: list[str], fs_for: Callable[[str], Any], known: dict[str, dict[str, Any]]
+    ) -> None:
         """Downloads ``urls`` (the next files of a stream) in the background; ``known``:
         their signatures from a listing, where one holds them (as in :meth:`open`)."""
         if self.prefetch == 0:
@@ -474,14 +467,22 @@ class FileCache:
                     self._wanted.discard(oldest)
         if not keep:
             dropped.append(fd)
-        for held in dropped:
-            self._drop(held)
+        self._let_go(dropped)
 
-    def close(self) -> None:
-        """Stops the prefetch threads and releases the entries they hold; idempotent.
-        Files already opened stay readable."""
+    def _let_go(self, fds: list[int]) -> None:
+        """Releases entries a prefetch held, evicting as a reader's close does."""
+        for fd in fds:
+            self._locks.drop(fd)
+        if fds and over(self.directory):
+            evict_after_close(self.directory, self.limit)
+
+    def close(self, wait: float = 30.0) -> None:
+        """Stops the prefetch threads (their downloads in flight cancelled, waiting up to
+        ``wait`` seconds for them) and releases the entries they hold, evicting as a
+        reader's close does; idempotent. Files already opened stay readable."""
         with self._mutex:
             self._closed = True
+            self._flight.stop(every=False)
             while True:
                 try:
                     self._jobs.get_nowait()
@@ -493,7 +494,7 @@ class FileCache:
             pinned, self._pinned = self._pinned, {}
             self._wanted.clear()
             self._checked.clear()
+        deadline = time.monotonic() + wait
         for thread in threads:
-            thread.join(timeout=30)
-        for fd in pinned.values():
-            self._drop(fd)
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        self._let_go(list(pinned.values()))

@@ -1,17 +1,21 @@
 """Keeping a cache folder under its limit: eviction and the recorded usage (NOTE [ File
-cache ] in ``cache.py``, its "Eviction" point)."""
+cache ] in ``cache.py``, its "Eviction" point). Links and other files the cache did not
+make are neither counted, nor kept, nor removed; a link in place of ``.usage``, ``.over``
+or a lock is a StorageError naming it (NOTE [ A shared folder ] in ``cache_entries.py``)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .cache_entries import folder_error
+from .cache_entries import folder_error, open_fd, refuse_link, replace_file
 
 __all__ = [
     "STALE_TEMP_SECONDS",
@@ -31,8 +35,12 @@ STALE_TEMP_SECONDS = 3600.0
 
 @contextlib.contextmanager
 def flocked(path: Path, mode: int) -> Iterator[int]:
-    """``path`` (created if missing) locked with ``flock`` in ``mode`` while in the block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    """``path`` (created if missing) locked with ``flock`` in ``mode`` while in the block.
+
+    Raises:
+        OSError: ``linked`` (``cache_entries.py``) for a link at ``path``.
+    """
+    fd = open_fd(path, os.O_RDONLY | os.O_CREAT)
     try:
         fcntl.flock(fd, mode)
         yield fd
@@ -42,7 +50,7 @@ def flocked(path: Path, mode: int) -> Iterator[int]:
 
 def over(directory: Path) -> bool:
     """Whether the last eviction left ``directory`` over its limit (the ``.over`` marker)."""
-    return (directory / ".over").exists()
+    return os.path.lexists(directory / ".over")
 
 
 def record(directory: Path, limit: int, size: int) -> None:
@@ -51,10 +59,11 @@ def record(directory: Path, limit: int, size: int) -> None:
     usage = directory / ".usage"
     with flocked(directory / ".evict.lock", fcntl.LOCK_EX):
         with contextlib.suppress(OSError, ValueError):
-            fresh = time.time() - usage.stat().st_mtime < STALE_TEMP_SECONDS
-            total = int(usage.read_text()) + size
+            with os.fdopen(open_fd(usage, os.O_RDONLY), "rb") as file:
+                fresh = time.time() - os.fstat(file.fileno()).st_mtime < STALE_TEMP_SECONDS
+                total = int(file.read()) + size
             if fresh and total <= limit:
-                usage.write_text(str(total))
+                replace_file(directory, ".usage", str(total).encode())
                 return
         evict_locked(directory, limit)
 
@@ -78,12 +87,19 @@ def evict_after_close(directory: Path, limit: int) -> None:
 
 def evict_locked(directory: Path, limit: int) -> None:
     """:func:`evict` with ``.evict.lock`` held; records the usage it leaves and removes
-    temp files an hour old."""
+    temp files an hour old.
+
+    Raises:
+        OSError: ``linked`` (``cache_entries.py``) for a link at ``.usage`` or ``.over``.
+    """
+    refuse_link(directory / ".usage")
+    refuse_link(directory / ".over")
     entries = []
     for data in directory.glob("*.data"):
         with contextlib.suppress(OSError):
-            stat = data.stat()
-            entries.append((stat.st_mtime, stat.st_size, data))
+            found = os.lstat(data)
+            if stat.S_ISREG(found.st_mode):
+                entries.append((found.st_mtime, found.st_size, data))
     total = sum(size for _, size, _ in entries)
     for _, size, data in sorted(entries):
         if total <= limit:
@@ -91,20 +107,28 @@ def evict_locked(directory: Path, limit: int) -> None:
         if _remove(data):
             total -= size
     if total > limit:
-        (directory / ".over").touch()
+        os.close(open_fd(directory / ".over", os.O_RDONLY | os.O_CREAT))
     else:
         (directory / ".over").unlink(missing_ok=True)
-    (directory / ".usage").write_text(str(total))
+    replace_file(directory, ".usage", str(total).encode())
     now = time.time()
     for temp in directory.glob(".tmp-*"):
         with contextlib.suppress(OSError):
-            if now - temp.stat().st_mtime > STALE_TEMP_SECONDS:
+            found = os.lstat(temp)
+            if stat.S_ISREG(found.st_mode) and now - found.st_mtime > STALE_TEMP_SECONDS:
                 temp.unlink()
 
 
 def _remove(data: Path) -> bool:
-    """Removes the entry of ``data`` unless someone holds it (its ``.lock``)."""
-    fd = os.open(data.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    """Removes the entry of ``data`` unless someone holds it (its ``.lock``) or a file
+    of it is a link (never touched: NOTE [ A shared folder ] in ``cache_entries.py``)."""
+    try:
+        refuse_link(data.with_suffix(".json"))
+        fd = open_fd(data.with_suffix(".lock"), os.O_RDONLY | os.O_CREAT)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return False
+        raise
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

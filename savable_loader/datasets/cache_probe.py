@@ -43,6 +43,8 @@ carries the signature too (ETag, Last-Modified, and the total size in Content-Ra
 from __future__ import annotations
 
 import errno
+import os
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ from typing import Any
 from fsspec.asyn import sync
 
 from .._s3_client import get_object
+from .cache_entries import open_fd
 from .cache_stream import Changed
 
 __all__ = ["PROBE_BYTES", "asks", "probe", "range_reader", "read_whole", "write_rest"]
@@ -94,26 +97,31 @@ def write_rest(
     first: bytes,
     temp: Path,
     counted: Callable[[int], None],
-) -> None:
-    """Writes ``url``'s bytes to ``temp``: ``first``, a probe's (empty for a whole
-    download), then the rest of the file with one GET from where they end (none when
-    they are the whole file), telling ``counted`` of the rest's bytes as they land
-    (NOTE [ Probing a download ]).
+) -> int:
+    """Writes ``url``'s bytes to ``temp``, a new file: ``first``, a probe's (empty for a
+    whole download), then the rest of the file with one GET from where they end (none
+    when they are the whole file), telling ``counted`` of the rest's bytes as they land
+    (NOTE [ Probing a download ]); returns their CRC-32 (NOTE [ Checked entries ] in
+    ``cache_entries.py``).
 
     Raises:
         Changed: The answer is of another ETag than ``signature``'s.
-        Exception: What ``fs`` raised.
+        Exception: What ``fs`` or ``counted`` raised.
     """
-    with open(temp, "wb") as out:
+    crc = zlib.crc32(first)
+    with os.fdopen(open_fd(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as out:
         out.write(first)
         if len(first) >= signature["size"]:
-            return
+            return crc
 
         def landed(chunk: bytes) -> None:
+            nonlocal crc
             out.write(chunk)
+            crc = zlib.crc32(chunk, crc)
             counted(len(chunk))
 
         _get(fs, url, f"bytes={len(first)}-", landed, etag=signature["etag"])
+    return crc
 
 
 def range_reader(fs: Any, url: str, etag: str | None) -> Callable[[int, int], bytes | None]:

@@ -32,16 +32,23 @@ thread of the reader's process instead, and the reader reads the temp file as it
   the entry serves the next open.
 * A file opened for a memory map (``TokenSource``), a fetch ahead (``TableSource``), a
   prefetch or a count is downloaded whole first, as before.
+
+Every download of a cache object, streamed or whole, is tracked by its :class:`InFlight`:
+the cache's close cancels its prefetch threads' downloads, and the process's exit all of
+them, removing the temp files of those it cannot wait for (NOTE [ File cache ] in
+``cache.py``, "Writes are atomic").
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
 import threading
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +56,11 @@ __all__ = [
     "FIRST_CHUNK_BYTES",
     "MAX_CHUNK_BYTES",
     "STREAM_MIN_BYTES",
+    "Cancelled",
     "Changed",
     "Download",
     "GrowingFile",
+    "InFlight",
     "fetch_into",
 ]
 
@@ -61,24 +70,92 @@ STREAM_MIN_BYTES = 4 * 2**20
 FIRST_CHUNK_BYTES, MAX_CHUNK_BYTES = 2**20, 16 * 2**20
 
 _POLL_SECONDS = 1.0
+_NEW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Changed(ConnectionError):
     """The remote file is not what its signature says: replaced since it was taken."""
 
 
+class Cancelled(Exception):
+    """A download stopped by the cache's close or by the process's exit (:class:`InFlight`)."""
+
+
+class InFlight:
+    """The downloads in flight of one cache object in one process: their temp files, and
+    which of them are cancelled (a prefetch thread's after :meth:`stop_prefetch`, every
+    one after :meth:`end`)."""
+
+    def __init__(self) -> None:
+        self._temps: set[Path] = set()
+        self._prefetch_stopped = self._ended = False
+        self._committing = 0
+        self._mutex = threading.Lock()
+
+    def add(self, temp: Path) -> Path:
+        """Tracks ``temp``, the file of a download starting; returns it."""
+        with self._mutex:
+            self._temps.add(temp)
+        return temp
+
+    def discard(self, temp: Path) -> None:
+        """The download of ``temp`` ended (its file renamed or removed)."""
+        with self._mutex:
+            self._temps.discard(temp)
+
+    def check(self, prefetch: bool) -> None:
+        """Raises :class:`Cancelled` if a download (a ``prefetch`` thread's) is cancelled."""
+        if self._ended or (prefetch and self._prefetch_stopped):
+            raise Cancelled("the cache was closed")
+
+    @contextlib.contextmanager
+    def committing(self) -> Iterator[None]:
+        """A download becoming an entry, which :meth:`end` waits for.
+
+        Raises:
+            Cancelled: :meth:`end` ran: no entry is made any more.
+        """
+        with self._mutex:
+            if self._ended:
+                raise Cancelled("the process exits")
+            self._committing += 1
+        try:
+            yield
+        finally:
+            with self._mutex:
+                self._committing -= 1
+
+    def stop(self, *, every: bool) -> None:
+        """Cancels the prefetch threads' downloads (the cache's close), or ``every`` one."""
+        self._prefetch_stopped = True
+        self._ended = self._ended or every
+
+    def end(self, wait: float) -> None:
+        """Cancels every download, waits up to ``wait`` seconds for the ones becoming
+        entries, and removes the temp files of those still in flight (the process exits)."""
+        self._ended = True
+        deadline = time.monotonic() + wait
+        while self._committing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._mutex:
+            temps, self._temps = self._temps, set()
+        for temp in temps:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+
+
 class Download:
     """A file being written to ``temp`` in order, up to ``size`` bytes, by one thread.
 
-    Creates ``temp`` and opens it for the reader (``reader_fd``, which the reader's
+    Creates ``temp`` (a new file, never through a link: NOTE [ A shared folder ] in
+    ``cache_entries.py``) and opens it for the reader (``reader_fd``, which the reader's
     :class:`GrowingFile` takes), before the thread can rename it away.
     """
 
     def __init__(self, temp: Path, size: int) -> None:
         self.temp = temp
         self.size = size
-        os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        self.reader_fd = os.open(temp, os.O_RDONLY)
+        self.reader_fd = os.open(temp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | _NEW, 0o644)
         self._written = 0
         self._error: BaseException | None = None
         self._done = False
@@ -126,21 +203,23 @@ def fetch_into(
     *,
     first: bytes = b"",
     read: Callable[[int, int], bytes | None] | None = None,
-) -> None:
+) -> int:
     """Downloads ``url`` into ``download.temp`` (created already) range by range (NOTE
     [ Reading a download ]), each range's request run by ``retried`` (the source's retry
     policy), telling ``counted`` and then ``download`` as the bytes land (so that a
     reader who read them finds them counted). ``first``: the file's first bytes, fetched
     and counted already (NOTE [ Probing a download ] in ``cache_probe.py``); the ranges
     start after them. ``read(start, end)``: a range's bytes (default ``fs.cat_file``),
-    None when the answer is of another version of the file.
+    None when the answer is of another version of the file. Returns the bytes' CRC-32
+    (NOTE [ Checked entries ] in ``cache_entries.py``).
 
     Raises:
         Changed: The file's length is not ``download.size``.
-        Exception: What ``retried`` raised.
+        Exception: What ``retried`` or ``counted`` raised.
     """
     position, chunk, size = len(first), FIRST_CHUNK_BYTES, download.size
-    fd = os.open(download.temp, os.O_WRONLY)
+    crc = zlib.crc32(first)
+    fd = os.open(download.temp, os.O_WRONLY | _NEW)
     try:
         if first:
             _write(fd, first)
@@ -160,11 +239,13 @@ def fetch_into(
             if len(data) != end - position:
                 raise Changed(f"{url} answered {position + len(data)}+ bytes, not {size}")
             _write(fd, data)
+            crc = zlib.crc32(data, crc)
             counted(len(data))
             download.wrote(len(data))
             position, chunk = end, min(chunk * 2, MAX_CHUNK_BYTES)
     finally:
         os.close(fd)
+    return crc
 
 
 def _write(fd: int, data: bytes) -> None:

@@ -27,10 +27,12 @@ decoded in place, so reading a file costs about its size in memory.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import stat
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, Any, Literal, overload
 
 from .. import serialization, storage
 from .._filesystems import url_to_fs
@@ -45,6 +47,8 @@ __all__ = [
     "read_state_bytes",
     "save_state",
 ]
+
+_States = RankState | Sequence[RankState]
 
 #: The largest state file :func:`load_state` reads unless told otherwise, in bytes
 #: (NOTE [ Bounded reads ]).
@@ -72,8 +76,22 @@ def save_state(
     storage.write_bytes(url, encode_state(state), **storage_options)
 
 
-def encode_state(state: RankState | Sequence[RankState]) -> bytes:
-    """Returns the bytes of a state file holding ``state`` (what :func:`save_state` writes)."""
+@overload
+def encode_state(state: _States, *, text: Literal[False] = ...) -> bytes: ...
+
+
+@overload
+def encode_state(state: _States, *, text: Literal[True]) -> str: ...
+
+
+def encode_state(state: _States, *, text: bool = False) -> bytes | str:
+    """Returns the bytes of a state file holding ``state`` (what :func:`save_state` writes),
+    or with ``text`` those bytes in base64 text (an entry of ``state_dict()``)."""
+    data = _encoded(state)
+    return base64.b64encode(data).decode("ascii") if text else data
+
+
+def _encoded(state: _States) -> bytes:
     if isinstance(state, RankState):
         payload: dict[str, Any] = {"kind": "rank", "state": state.to_plain()}
     elif isinstance(state, Sequence) and all(isinstance(s, RankState) for s in state):
@@ -86,12 +104,21 @@ def encode_state(state: RankState | Sequence[RankState]) -> bytes:
     return serialization.dumps(payload)
 
 
-def decode_state(data: bytes) -> RankState | list[RankState]:
-    """Returns the state held by the bytes :func:`encode_state` returned.
+def decode_state(data: bytes | str) -> RankState | list[RankState]:
+    """Returns the state held by what :func:`encode_state` returned: bytes, or base64 text.
 
     Raises:
         StateFormatError: ``data`` is not a valid loader state.
     """
+    if isinstance(data, str):
+        text = data
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            shown = text if len(text) <= 40 else f"{text[:37]}..."
+            raise StateFormatError(
+                f"Expected a state file's bytes or their base64 text, got the str {shown!r}"
+            ) from None
     return state_from_payload(serialization.loads(data))
 
 
