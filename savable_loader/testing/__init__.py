@@ -8,7 +8,9 @@ checksum) and into a fresh loader, which must then yield exactly what the uninte
 run yielded from that point on, later epochs included. Optionally each resumed run
 consumes a few items, saves again and is restored into yet another loader (a chain), and
 the first state is restored twice to check that restoring neither changes the state nor
-depends on the loader it goes into.
+depends on the loader it goes into. After its epochs it also checks one more as a
+training loop may leave it: states saved right after a peek (``next(iter(loader))``) and
+after a ``break`` restore to that mid-epoch position.
 
 :func:`verify` is the same check for a user's factory (of a dataset or of a loader) with
 dense checkpoints, behind ``savable-loader verify MODULE:FACTORY``.
@@ -33,9 +35,9 @@ from __future__ import annotations
 from .cursors import CursorReport, assert_cursor_resumes_exactly
 from .digests import digest
 from .divergence import ResumeMismatch
+from .files import roundtrip
 from .harness import Progress, ResumeReport, assert_resumes_exactly
 from .proxy import FaultProxy, ProxyStats
-from .restores import roundtrip
 from .verification import VerifyReport, verify
 
 __all__ = [

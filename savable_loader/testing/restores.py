@@ -18,24 +18,14 @@ import logging
 from collections.abc import Callable, Collection
 from typing import Any
 
-from .. import serialization
 from ..loader import SavableDataLoader
-from ..state.files import state_from_payload
 from ..state.models import RankState
 from .digests import digest
 from .divergence import ResumeMismatch, _differences, _short
+from .files import roundtrip
 from .reference import _Reference
 
 logger = logging.getLogger(__name__)
-
-
-def roundtrip(state: RankState) -> RankState:
-    """Sends ``state`` through the state file encoding and back."""
-    payload = serialization.loads(serialization.dumps({"kind": "rank", "state": state.to_plain()}))
-    restored = state_from_payload(payload)
-    if not isinstance(restored, RankState):
-        raise ResumeMismatch("the state came back as a list of rank states")
-    return restored
 
 
 class _Checker:
@@ -69,6 +59,10 @@ class _Checker:
             return self._consume(loader, start, label, limit=None, saves=saves)
         finally:
             loader.close()
+
+    def remaining(self, start: tuple[int, int]) -> int:
+        """Items of the first epoch a loader resumed at ``start`` still yields."""
+        return self._reference.remaining(start)
 
     def chained(self, state: RankState, start: tuple[int, int], count: int, label: str) -> None:
         """Restores ``state``, saved ``count`` items after a restore at ``start``, into a
