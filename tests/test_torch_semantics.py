@@ -246,7 +246,8 @@ def _run(cls: type, name: str, layout: str, scenario: Callable[[Any], Any]) -> A
     except Exception as error:  # a crash is an outcome to compare, reported with the rest
         if cls is DataLoader:
             raise
-        return f"raised {type(error).__name__}: {str(error).splitlines()[-1][:300]}"
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return f"raised {type(error).__name__}: {(lines or [''])[-1][:300]}"
     finally:
         _close(loader)
 
