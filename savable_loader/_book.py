@@ -81,13 +81,15 @@ class Book:
             if self.epoch == started.epoch and self.delivered[w] == started.delivered[w]
         }
 
-    def starts(self, *, new_epoch: bool) -> tuple[WorkerStart, ...]:
-        """How every worker starts from here (NOTE [ Worker order ])."""
+    def starts(self, *, new_epoch: bool, idle: bool = False) -> tuple[WorkerStart, ...]:
+        """How every worker starts from here (NOTE [ Worker order ]); ``idle`` workers
+        produce nothing in the epoch (NOTE [ A cut before a sampler's next order ] in
+        ``_stream_stops.py``)."""
         return tuple(
             WorkerStart(
                 checkpoint=self.resume[w],
                 delivered=self.delivered[w],
-                skip_epoch=self.ended[w],
+                skip_epoch=self.ended[w] or idle,
                 placeholder=w < self.next_worker and not self.ended[w],
                 new_epoch=new_epoch,
                 cut=w in self.cutting,

@@ -6,6 +6,16 @@ current epoch short (NOTE [ A new iter() starts an epoch ] there).
 because it is one job: stopping the workers while the bookkeeping (``_book.py``) and the
 checkpoints the workers hand back stay in agreement, so that the next stream starts
 exactly where the last item handed on left the loader. It runs in the main process.
+
+NOTE [ A cut before a sampler's next order ]
+A loader reading a sampler sends each epoch's order to its workers with the pipeline
+(NOTE [ Epoch orders ] in ``_sampling.py``), and a cut worker must replay the rest of the
+old epoch's position under the old order before it drops it. So when the new epoch has
+an order still to draw, the cut runs on *idle* workers first: they restore, replay, cut
+and checkpoint, then produce nothing (as a worker whose epoch already ended); the loader
+takes their checkpoints, stops them, draws the new order and starts the workers of the
+new epoch from those checkpoints, as after an epoch's end. Other loaders cut and go on
+with the same workers.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from collections.abc import Callable
 from ._book import Book
 from ._events import Failure
 from ._layout import Layout
+from ._sampling import EpochPlanner
 from ._stream import Hang, Stream
 from ._worker import WorkerWrapper
 from .errors import SavableLoaderError, WorkerError
@@ -33,6 +44,7 @@ class StreamStops:
     _wrapper: WorkerWrapper
     layout: Layout
     num_workers: int
+    _planner: EpochPlanner | None
     _stop_stream: Callable[[], None]
     _start_stream: Callable[..., None]
     _current_checkpoints: Callable[[], list[Checkpoint | None]]
@@ -51,8 +63,11 @@ class StreamStops:
         self._book.resume = checkpoints
         before = self._book.copy()
         self._book.cut_epoch()
+        cutting = list(self._book.cutting)
+        # NOTE [ A cut before a sampler's next order ]
+        redraw = self._planner is not None and self._planner.needs_draw(self._book.epoch)
         try:
-            self._start_stream(new_epoch=True)
+            self._start_stream(new_epoch=True, idle=redraw)
             self._book.settle_cut()
             stream = self._stream
             if stream is None:
@@ -60,7 +75,12 @@ class StreamStops:
             if self.num_workers == 0 and self._wrapper.runtime is None:
                 _, _, _, failure = stream.next_event()  # the start failed: its ERROR event
                 raise failure.raised(in_worker=False, epoch=before.epoch, lost=None)
-            self._book.resume = list(stream.checkpoints(self._book.delivered))
+            resume = self._book.resume
+            known = {w: resume[w] for w in range(len(resume)) if w not in cutting}
+            self._book.resume = list(stream.checkpoints(self._book.delivered, known))
+            if redraw:
+                self._stop_stream()
+                self._start_stream(new_epoch=True)
         except BaseException:
             self._stop_stream()
             self._book = before

@@ -223,10 +223,13 @@ class SavableDataLoader(
         self._continues = False
         return LoaderIterator(self._next, self._length)
 
-    def _start_stream(self, *, new_epoch: bool = False) -> None:
-        self._spec.starts = self._book.starts(new_epoch=new_epoch)
+    def _start_stream(self, *, new_epoch: bool = False, idle: bool = False) -> None:
+        """Starts the workers; ``idle`` ones only restore, replay and cut, without the
+        epoch's draws (NOTE [ A cut before a sampler's next order ] in _stream_stops.py)."""
+        self._spec.starts = self._book.starts(new_epoch=new_epoch, idle=idle)
         self._spec.epoch = self._book.epoch
-        self._draw_epoch()
+        if not idle:
+            self._draw_epoch()
         self._started = self._book.copy()
         self._stream = Stream(self, self._wrapper, self.worker_config)
 
