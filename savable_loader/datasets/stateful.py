@@ -23,9 +23,14 @@ state's epoch, so a new epoch starts afresh in its own shuffle order; it reports
 loaded position only once it iterates, so until then the adapter reports the position it
 last loaded or reached. A torchdata node is rewound with ``reset()`` at the end of an
 epoch and restored with ``reset(state)``; other objects must stand at their next epoch
-after a full iteration. Hugging Face keeps its epoch in a shared-memory tensor that
-``set_epoch`` reads then adds to, which forked workers would race on, so each worker
-uses its own deep copy (``datasets`` shares the immutable Arrow tables between copies).
+after a full iteration: their next epoch begins with ``iter(obj)`` on the object as the
+last pass left it, and a state saved there holds None for the object, for which a restore
+loads nothing (a fresh object's ``iter()`` begins the pass a pass-worn one's begins,
+while loading the state a pass ended in would make an object that goes on from a loaded
+position go on from the end, and yield nothing). Hugging Face keeps its epoch in a
+shared-memory tensor that ``set_epoch`` reads then adds to, which forked workers would
+race on, so each worker uses its own deep copy (``datasets`` shares the immutable Arrow
+tables between copies).
 
 NOTE [ Objects that are their own iterator ]
 An object whose ``__iter__`` returns itself (its class has ``__next__``) commonly resets
@@ -205,7 +210,7 @@ class _StatefulCursor(Cursor[T]):
         self._initial = stage.initial
         if stage.initial is not None and get_worker_info() is not None:
             self._initial = copy.deepcopy(self.obj.state_dict())
-        self._restart(self._initial, epoch=0, load=False)
+        self._restart(self._initial if self._kept_at_start() else None, epoch=0, load=False)
 
     def __next__(self) -> T:
         iterator = self._iterator or self._open()
@@ -213,22 +218,36 @@ class _StatefulCursor(Cursor[T]):
         if item is not _END:
             self._consumed += 1
             return item  # type: ignore[no-any-return]
-        if self.stage.node:
-            self.obj.reset()
-        saves = self.stage.saves_obj and not self.stage.own_iterator
-        after = self.obj.state_dict() if saves else None
-        self._restart(after, epoch=self._epoch + 1, load=False)
+        self._restart(self._next_start(), epoch=self._epoch + 1, load=False)
         raise StopIteration
 
     def end_epoch(self) -> None:
         """Drops the rest of the epoch without reading it: the next one begins with a new
         ``iter(obj)``, from where the object stands, as torch's ``DataLoader`` begins a
         new iteration (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``)."""
+        if self._iterator is None and self.stage.resume == "state":
+            # The epoch's iter(obj) began before it was cut, as torch's worker began it:
+            # a state loaded for that iteration (a restore) is used up by it, not by the
+            # next epoch's.
+            self._open()
+        self._restart(self._next_start(), epoch=self._epoch + 1, load=False)
+
+    def _next_start(self) -> Any:
+        """Where the next epoch starts, as saved (NOTE [ Epochs of the adapted objects ]):
+        a node's state after ``reset()``, a Hugging Face dataset's state, and None for
+        any other object."""
         if self.stage.node:
             self.obj.reset()
-        saves = self.stage.saves_obj and not self.stage.own_iterator
-        after = self.obj.state_dict() if saves else None
-        self._restart(after, epoch=self._epoch + 1, load=False)
+        return self.obj.state_dict() if self._kept_at_start() else None
+
+    def _kept_at_start(self) -> bool:
+        """Whether an epoch's start is saved as the object's state: a node's, a Hugging
+        Face dataset's, a replay's restore point. Any other object's start is saved as
+        None: ``iter(obj)`` on the object as it stands (NOTE [ Epochs of the adapted
+        objects ])."""
+        stage = self.stage
+        kept = stage.node or stage.hf or stage.resume == "replay"
+        return stage.saves_obj and not stage.own_iterator and kept
 
     def own_state(self) -> dict[str, Any]:
         stage, unopened = self.stage, self._iterator is None and self._pending is None
@@ -262,7 +281,9 @@ class _StatefulCursor(Cursor[T]):
             StateError: ``state`` was saved in the other mode, or the object refuses it.
         """
         if not isinstance(state, _State):
-            self._restart(self._initial, epoch=0)
+            self._restart(self._initial, epoch=0)  # a reused object starts over
+            if not self._kept_at_start():
+                self._resting = None
             return
         if state.resume != self.stage.resume:
             raise StateError(
@@ -288,7 +309,7 @@ class _StatefulCursor(Cursor[T]):
         self._pending = None
         if load and self.stage.own_iterator:
             self._pending = copy.deepcopy(obj_state)
-        elif load and self.stage.saves_obj:
+        elif load and self.stage.saves_obj and obj_state is not None:
             self._load(obj_state)
         self._epoch, self._consumed = epoch, 0
         self._iterator = self._generators = None
