@@ -81,9 +81,12 @@ def _flaky(tmp_path: Path, num_workers: int, **kwargs: Any) -> tuple[SavableData
     return SavableDataLoader(dataset, batch_size=2, num_workers=num_workers), trigger
 
 
-def _read_until_error(loader: SavableDataLoader, got: list[str]) -> DatasetError:
+def _read_until_error(items: Any, got: list[str]) -> DatasetError:
+    """Reads ``items`` (a loader: a new iterator; or an iterator, which the error leaves
+    where it stood) until the DatasetError."""
+
     def read() -> None:
-        got.extend(digest(item) for item in loader)
+        got.extend(digest(item) for item in items)
 
     with pytest.raises(DatasetError) as info:
         read()
@@ -125,13 +128,14 @@ def test_iterating_again_retries_the_item_and_continues_exactly(tmp_path, num_wo
     loader, trigger = _flaky(tmp_path, num_workers)
     got: list[str] = []
     with loader:
-        _read_until_error(loader, got)
+        iterator = iter(loader)
+        _read_until_error(iterator, got)
         # The failure persists: the same item fails again, nothing is skipped or repeated.
-        error = _read_until_error(loader, got)
+        error = _read_until_error(iterator, got)
         assert "boom at index 13" in str(error)
         trigger.unlink()  # the transient cause went away
-        got += [digest(item) for item in loader]
-        got += [digest(item) for item in loader]
+        got += [digest(item) for item in iterator]  # the rest of the epoch
+        got += [digest(item) for item in loader]  # a new iter(): the next epoch
     assert got == expected
 
 
@@ -185,9 +189,11 @@ def test_error_in_a_later_epoch_and_after_a_restore(tmp_path, num_workers):
         state = loader.save_state_rank()
         loader.restore_state_rank(state)  # restarts with placeholders (worker order)
         trigger.touch()
-        _read_until_error(loader, got)
+        iterator = iter(loader)  # the first iter() after a restore continues the epoch
+        _read_until_error(iterator, got)
         trigger.unlink()
-        got += [digest(item) for _ in range(2) for item in loader]
+        got += [digest(item) for item in iterator]
+        got += [digest(item) for item in loader]
     assert got == expected
 
 
@@ -195,12 +201,20 @@ def test_error_in_a_later_epoch_and_after_a_restore(tmp_path, num_workers):
 def test_error_while_a_worker_starts(tmp_path, num_workers):
     expected = _reference(20, num_workers)
     loader, trigger = _flaky(tmp_path, num_workers, at_start=True)
+    trigger.unlink()
     with loader:
+        iterator = iter(loader)
+        got = [digest(next(iterator)) for _ in range(3)]
+        # Workers start fresh without restoring (NOTE [ Fresh workers ]); from a
+        # checkpoint they restore it, and that raises.
+        loader.restore_state_rank(loader.save_state_rank())
+        trigger.touch()
+        iterator = iter(loader)
         with pytest.raises(DatasetError, match=r"while starting \(restoring its checkpoint"):
-            next(iter(loader))
+            next(iterator)
         assert multiprocessing.active_children() == []
         trigger.unlink()
-        got = [digest(item) for _ in range(2) for item in loader]
+        got += [digest(item) for item in iterator] + [digest(item) for item in loader]
     assert got == expected
 
 
