@@ -138,6 +138,12 @@ class Case:
     dataset: Callable[[], Any]
     options: Callable[[], dict[str, Any]] = field(default=dict)
     savable: bool = True
+    #: The order of an epoch begun after one left early is not torch's (README, Limits):
+    #: torch's RandomSampler draws part of its permutation only once its iterator runs
+    #: out, so torch's next order depends on how far (prefetching included) the left
+    #: epoch was read; the loader draws every epoch whole, so it gives the order torch
+    #: gives after a complete epoch. Loops are compared as multisets of items then.
+    order_after_a_cut: bool = True
 
 
 CASES = {
@@ -145,6 +151,7 @@ CASES = {
     "shuffled": Case(
         lambda: list(range(14)),
         lambda: {"shuffle": True, "generator": torch.Generator().manual_seed(7)},
+        order_after_a_cut=False,
     ),
     "worker_shards": Case(lambda: WorkerShards(3, 15), savable=False),
     "init_fn": Case(lambda: Range(3, 11), lambda: {"worker_init_fn": shard}, savable=False),
@@ -252,11 +259,35 @@ def _run(cls: type, name: str, layout: str, scenario: Callable[[Any], Any]) -> A
         _close(loader)
 
 
+def _items_of_loops(outcome: Any) -> Any:
+    """``outcome`` with every loop (a list of batches) as the sorted list of its items and
+    every other batch as its size: what an epoch begun after a cut must agree on."""
+    if isinstance(outcome, tuple):  # a labelled part of loops_of_a_day
+        label, value = outcome
+        return label, len(value) if label == "break" else _items_of_loops(value)
+    if not isinstance(outcome, list):
+        return outcome
+    if outcome and all(isinstance(b, list) for b in outcome):
+        if all(all(not isinstance(i, list) for i in batch) for batch in outcome):
+            return sorted(item for batch in outcome for item in batch)
+        return [_items_of_loops(part) for part in outcome]
+    return len(outcome)
+
+
+def _after_the_first(outcome: Any) -> Any:
+    """``outcome`` of a scenario, its first part exact and the rest by ``_items_of_loops``."""
+    if isinstance(outcome, list) and outcome:
+        return [outcome[0], *(_items_of_loops(part) for part in outcome[1:])]
+    return outcome
+
+
 def _assert_as_torch(name: str, layout: str, scenarios: list[Callable[[Any], Any]]) -> None:
     failures = []
     for scenario in scenarios:
         expected = _run(DataLoader, name, layout, scenario)
         got = _run(SavableDataLoader, name, layout, scenario)
+        if not CASES[name].order_after_a_cut and scenario is not two_loops:
+            expected, got = _after_the_first(expected), _after_the_first(got)
         if got != expected:
             failures.append(f"{scenario.__name__}:\n  torch {expected}\n  here  {got}")
     assert not failures, "\n".join(failures)
@@ -388,3 +419,15 @@ def test_a_state_saved_right_after_iter_restores_over_a_dataset_already_read(
     assert again == epoch
     if name == "own_iterator":
         assert len(epoch) == 100
+
+
+@pytest.mark.parametrize("layout", ["0", pytest.param("2", marks=pytest.mark.slow)])
+def test_an_epoch_after_one_left_early_is_ordered_as_after_a_whole_one(layout: str) -> None:
+    """The documented difference for ``shuffle=True`` with a ``generator``: the epoch
+    that follows a peek or a ``break`` is the one torch gives after a complete epoch."""
+    whole = _run(SavableDataLoader, "shuffled", layout, two_loops)
+    assert whole == _run(DataLoader, "shuffled", layout, two_loops)
+    after_peek = _run(SavableDataLoader, "shuffled", layout, peek_then_loop)
+    after_break = _run(SavableDataLoader, "shuffled", layout, break_then_loop)
+    assert after_peek == [whole[0][0], whole[1]]
+    assert after_break == [whole[0][:BREAK_AFTER], whole[1]]
