@@ -311,8 +311,8 @@ def _validated(states: Any) -> list[RankState]:
 
 
 def every_rank_state_dict(
-    loader: SavableDataLoader, own: Callable[[], dict[str, bytes]]
-) -> dict[str, bytes]:
+    loader: SavableDataLoader, own: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
     """Every rank's entry of the loader's ``state_dict()``: ``{"rank_0": ..., ...}``.
 
     For a trainer that writes its checkpoint from one process (Lightning, Accelerate): a
@@ -329,7 +329,7 @@ def every_rank_state_dict(
     """
     if loader.world_size == 1 or not _initialized():
         return own()
-    mine: dict[str, bytes] | str
+    mine: dict[str, Any] | str
     try:
         mine = own()
     except Exception as error:  # reported to every rank, so that no rank waits
@@ -340,7 +340,7 @@ def every_rank_state_dict(
     failed = [entry for entry in gathered if isinstance(entry, str)]
     if failed:
         raise SavableLoaderError(f"saving the loader's state failed: {'; '.join(failed)}")
-    merged: dict[str, bytes] = {}
+    merged: dict[str, Any] = {}
     for entry in gathered:
         merged.update(entry)
     return merged

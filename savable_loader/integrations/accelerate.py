@@ -73,7 +73,7 @@ _FIX = (
 )
 
 
-def every_rank_state_dict(loader: SavableDataLoader[Any]) -> dict[str, bytes]:
+def every_rank_state_dict(loader: SavableDataLoader[Any]) -> dict[str, Any]:
     """Every rank's entry of ``loader``'s state: ``{"rank_0": ..., "rank_1": ...}``.
 
     For a trainer that writes its checkpoint on the main process only. A collective over
@@ -145,7 +145,7 @@ class AccelerateSavableDataLoader(SavableDataLoader[Any]):
             return inner
         return _PlacedIterator(inner, PartialState().device)
 
-    def state_dict(self) -> dict[str, bytes]:
+    def state_dict(self) -> dict[str, Any]:
         """Returns every rank's state, ``{"rank_<r>": <encoded state>, ...}``.
 
         A collective when several ranks run: ``accelerator.save_state`` calls it on

@@ -117,7 +117,7 @@ class LightningSavableDataLoader(SavableDataLoader[Any]):
         self._check_usable()
         return _EpochIterator(self)
 
-    def state_dict(self) -> dict[str, bytes]:
+    def state_dict(self) -> dict[str, Any]:
         """Returns every rank's state, ``{"rank_<r>": <encoded state>, ...}``.
 
         A collective over the loader's ``data_parallel_group`` when ``torch.distributed``
