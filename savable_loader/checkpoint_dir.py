@@ -42,6 +42,7 @@ import uuid
 from typing import Any
 
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import distributed, serialization, storage
@@ -256,6 +257,11 @@ def _remove_save(root: str, previous: Metadata, storage_options: dict[str, Any])
     (best effort: a leftover costs only space)."""
     try:
         fs, path = url_to_fs(root, **storage_options)
+        folder = f"{path}/{previous.save}"
+        if isinstance(fs, LocalFileSystem) and os.path.islink(folder):
+            # Not the folder the library wrote: what it points to is never touched.
+            logger.warning("save_checkpoint: %s is a symbolic link; left as it is", folder)
+            return
         for name in previous.files:
             with contextlib.suppress(FileNotFoundError):
                 fs.rm_file(f"{path}/{name}")

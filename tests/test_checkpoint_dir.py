@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import uuid
 import weakref
 from collections import Counter
@@ -183,6 +184,24 @@ def test_a_save_removes_only_the_files_the_previous_metadata_lists(base: str) ->
     with _loader() as resumed:
         load_checkpoint(resumed, folder)
         assert _ids(resumed) == rest
+
+
+def test_a_save_folder_replaced_by_a_link_is_not_followed(tmp_path: Path) -> None:
+    """Whoever can write the checkpoint directory can swap a save's folder for a link; the
+    next save's clean-up must not delete the files where it points."""
+    folder, outside = tmp_path / "ckpt", tmp_path / "outside"
+    with _loader() as loader:
+        _ids(loader, 1)
+        save_checkpoint(loader, str(folder))
+        first = _save_id(str(folder))
+        outside.mkdir()
+        (outside / "rank-0.msgpack").write_bytes(b"someone else's")
+        shutil.rmtree(folder / first)
+        (folder / first).symlink_to(outside, target_is_directory=True)
+        _ids(loader, 1)
+        save_checkpoint(loader, str(folder))
+    assert (outside / "rank-0.msgpack").read_bytes() == b"someone else's"
+    assert (folder / first).is_symlink()
 
 
 def test_a_save_over_forged_metadata_removes_nothing_it_names(tmp_path: Path) -> None:
