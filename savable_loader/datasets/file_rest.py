@@ -24,6 +24,7 @@ one begun file per saved stream.
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import itertools
@@ -162,14 +163,17 @@ def seek_checked(file: IO[bytes], offset: int, url: str, where: str) -> None:
         return
     try:
         file.seek(offset - 1)
-    except (OSError, OverflowError, ValueError):
+    except (OverflowError, ValueError):
         pass  # farther than the file system seeks: past the end
+    except OSError as error:  # a transient one (a reset connection) goes to the retries
+        if error.errno != errno.EINVAL:
+            raise
     else:
         if file.read(1):
             return
     try:
         size = file.seek(0, io.SEEK_END)
-    except (OSError, ValueError):  # a stream that cannot seek from its end stands there
+    except ValueError:  # a stream that cannot seek from its end stands there
         size = file.tell()
     raise StateError(
         f"{where}: the state's byte offset {offset} lies past the end of {url}, which "
