@@ -66,6 +66,7 @@ __all__ = [
     "CHECKPOINTING",
     "END",
     "ERROR",
+    "FAILED_INIT",
     "IDLE",
     "ITEM",
     "PLACEHOLDER",
@@ -83,6 +84,11 @@ STARTING, PRODUCING, CHECKPOINTING, IDLE = "starting", "producing", "checkpointi
 _PLAIN_ARGS = (str, int, float, bool, bytes, type(None))
 
 Event = tuple[int, int, int, Any]
+
+
+#: The key of a worker's answer to a checkpoint request when its ``worker_init_fn``
+#: raised and it could not make the cut it was started for (``_worker.py``).
+FAILED_INIT = "failed_init"
 
 
 @dataclass(frozen=True)

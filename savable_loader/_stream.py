@@ -71,7 +71,7 @@ from torch.utils.data import DataLoader
 
 from . import _torch_compat
 from ._commands import CommandChannel, NoAnswerError
-from ._events import CHECKPOINTING, PRODUCING, STARTING, Event
+from ._events import CHECKPOINTING, FAILED_INIT, PRODUCING, STARTING, Event, Failure
 from ._fetch_guard import FetchGuard
 from ._worker import WorkerInit, WorkerWrapper
 from .config import WorkerConfig
@@ -399,6 +399,9 @@ class Stream:
             "checkpoint",
             [None if w in known else {"delivered": d} for w, d in enumerate(delivered)],
         )
+        for answer in answers:
+            if isinstance(answer, dict) and FAILED_INIT in answer:
+                raise Failure(**answer[FAILED_INIT]).raised(in_worker=True, epoch=0, lost=None)
         return [
             known[w] if w in known else None if a is None else Checkpoint.model_validate(a)
             for w, a in enumerate(answers)

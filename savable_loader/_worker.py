@@ -28,6 +28,7 @@ objects). A worker's ``gc.get_objects()`` therefore lists only the objects it cr
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -39,7 +40,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import _torch_compat
 from ._commands import CommandServer, check_stacks_signal, register_stacks
-from ._events import IDLE, PRODUCING, STARTING, Event, Failure, Progress
+from ._events import FAILED_INIT, IDLE, PRODUCING, STARTING, Event, Failure, Progress
 from ._runtime import PipelineRuntime
 from ._runtime_spec import RuntimeSpec, WorkerStart
 from .errors import WorkerError
@@ -128,6 +129,11 @@ class WorkerWrapper(IterableDataset[Event]):
         start = self._start_of(info.id)
 
         def checkpoint(args: dict[str, Any]) -> Any:
+            failure = self.init_failure
+            if start.cut and failure is not None and args["delivered"] == start.delivered + 1:
+                # A cut this worker could not make (NOTE [ A new iter() starts an epoch ]):
+                # the loader raises the hook's error as torch would.
+                return {FAILED_INIT: dataclasses.asdict(dataclasses.replace(failure, error=None))}
             if args["delivered"] != start.delivered:
                 raise WorkerError(
                     f"worker {info.id} failed in worker_init_fn and stands at "

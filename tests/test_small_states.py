@@ -326,7 +326,8 @@ def test_a_shuffle_state_with_bytes_and_an_epoch_is_refused():
     assert window["seeded_epoch"] == 0
     assert drawn["rng"] is not None
     window["rng"] = drawn["rng"]
-    with _shuffled(Draws(start=8, n=WINDOWED), 0) as restored:
-        restored.restore_state_rank(plain)
-        with pytest.raises(StateError, match="both rng and seeded_epoch"):
-            next(iter(restored))
+    with (
+        _shuffled(Draws(start=8, n=WINDOWED), 0) as restored,
+        pytest.raises(StateError, match="both rng and seeded_epoch"),
+    ):
+        restored.restore_state_rank(plain)  # checked at the restore
