@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,6 +166,10 @@ def test_errors_of_the_remote_file_are_not_the_caches(tmp_path: Path) -> None:
         _read(JsonLinesSource(["memory:///nowhere/missing.jsonl"], cache_dir=tmp_path))
 
 
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
 def test_a_streamed_file_the_full_disk_cannot_keep_is_read_whole_and_a_warning_names_it(
     remote: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -175,7 +180,12 @@ def test_a_streamed_file_the_full_disk_cannot_keep_is_read_whole_and_a_warning_n
     source = JsonLinesSource(f"{remote}/part-*", cache_dir=tmp_path, split="files")
     with caplog.at_level(logging.WARNING, logger="savable_loader.datasets.cache_entries"):
         assert _read(source) == ROWS
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        # The download's thread warns once it tries to keep the file, which may be after
+        # the reader returned: wait for it, bounded.
+        deadline = time.monotonic() + 10
+        while not _warnings(caplog) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    (warning,) = _warnings(caplog)
     assert warning.startswith(f"The cache folder {tmp_path} cannot be used for memory://")
     assert warning.endswith(
         "no space left on device. The file is read from the store but not kept."
