@@ -119,7 +119,7 @@ from ._events import (
 )
 from ._ring import CheckpointRing, Entry
 from ._runtime_spec import RuntimeSpec, WorkerStart, epoch_seed
-from .datasets.file_access import storage_stats
+from .datasets.file_access import close_caches, storage_stats
 from .errors import DatasetError, StateError, WorkerError
 from .plain import plain_copy
 from .state.models import Checkpoint
@@ -409,11 +409,13 @@ class PipelineRuntime:
         return failure.event()
 
     def close(self) -> None:
-        """Releases what the pipeline holds open (files); logs the storage figures."""
+        """Releases what the pipeline holds open (files, and this process's caches, whose
+        held entries are then evicted to their limit); logs the storage figures."""
         storage = storage_stats(self.spec.root)
         if storage is not None:
             logger.debug("worker %d storage: %s", self.worker_id, storage)
         self.root.close()
+        close_caches(self.spec.root)
 
     # -- checkpoints ----------------------------------------------------------------
 

@@ -217,6 +217,23 @@ def test_workers_stopped_early_leave_the_folder_under_its_limit(
     assert _data_bytes(tmp_path) <= limit
 
 
+def test_a_loader_without_workers_closed_early_leaves_the_folder_under_its_limit(
+    remote: str, tmp_path: Path
+) -> None:
+    """Without workers no process exits: the loader's close releases and evicts."""
+    fs = fsspec.filesystem("memory")
+    limit = fs.info(f"{remote}/part-0.jsonl.gz")["size"] + 1  # one file
+    source = JsonLinesSource(
+        f"{remote}/part-*", cache_dir=tmp_path, cache_limit=limit, prefetch=2, split="files"
+    )
+    with SavableDataLoader(source, batch_size=4) as loader:
+        for _ in zip(range(2), loader, strict=False):  # a break after two batches
+            pass
+        _wait(lambda: len(list(tmp_path.glob("*.data"))) >= 2)
+    assert _data_bytes(tmp_path) <= limit
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
 # Partial downloads at a close.
 
 

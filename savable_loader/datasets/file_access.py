@@ -44,7 +44,7 @@ from .retry import RetryPolicy, retrying
 from .stage import Stage
 from .storage_stats import CacheStats, summed
 
-__all__ = ["FileAccess", "storage_stats"]
+__all__ = ["FileAccess", "close_caches", "storage_stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +280,30 @@ def _cache_folder_errors(directory: Path, url: str | None = None) -> Iterator[No
         raise folder_error(directory, exc, url) from exc
 
 
+def close_caches(root: Stage[Any]) -> None:
+    """Closes this process's cache of every file source under ``root``
+    (``FileAccess.close_cache``): its prefetches stop, the entries it held are released
+    and evicted to the limit; the cache starts afresh if the source reads again."""
+    for stage in _stages(root):
+        if isinstance(stage, FileAccess):
+            stage.close_cache()
+
+
+def _stages(root: Stage[Any]) -> list[Stage[Any]]:
+    """Every stage of the tree under ``root``, once each."""
+    found: list[Stage[Any]] = []
+    seen: set[int] = set()
+    stages = [root]
+    while stages:
+        stage = stages.pop()
+        if id(stage) in seen:
+            continue
+        seen.add(id(stage))
+        found.append(stage)
+        stages.extend(stage.children)
+    return found
+
+
 def storage_stats(root: Stage[Any]) -> dict[str, Any] | None:
     """What the reads of remote files by the file sources under ``root`` cost in this
     process, summed.
@@ -294,14 +318,7 @@ def storage_stats(root: Stage[Any]) -> dict[str, Any] | None:
     file here yet: local files are not counted.
     """
     parts: list[CacheStats] = []
-    seen: set[int] = set()
-    stages = [root]
-    while stages:
-        stage = stages.pop()
-        if id(stage) in seen:
-            continue
-        seen.add(id(stage))
-        stages.extend(stage.children)
+    for stage in _stages(root):
         stats = stage.cache_stats() if isinstance(stage, FileAccess) else None
         if stats is not None:
             parts.append(stats)
