@@ -119,7 +119,7 @@ from ._events import (
 )
 from ._ring import CheckpointRing, Entry
 from ._runtime_spec import RuntimeSpec, WorkerStart, epoch_seed
-from .datasets.file_access import close_caches, storage_stats
+from .datasets.file_access import release_caches, storage_stats
 from .errors import DatasetError, StateError, WorkerError
 from .plain import plain_copy
 from .state.models import Checkpoint
@@ -415,7 +415,7 @@ class PipelineRuntime:
         if storage is not None:
             logger.debug("worker %d storage: %s", self.worker_id, storage)
         self.root.close()
-        close_caches(self.spec.root)
+        release_caches(self.spec.root)
 
     # -- checkpoints ----------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from .retry import RetryPolicy, retrying
 from .stage import Stage
 from .storage_stats import CacheStats, summed
 
-__all__ = ["FileAccess", "close_caches", "storage_stats"]
+__all__ = ["FileAccess", "release_caches", "storage_stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ class FileAccess:
     _filesystems: dict[str, Any]
     _cache: tuple[int, FileCache] | None
     _counted: dict[int, CountedReads]
+    #: Per process, the figures of caches released by :meth:`release_cache`.
+    _released: dict[int, CacheStats]
 
     if TYPE_CHECKING:
 
@@ -118,6 +120,7 @@ class FileAccess:
         self._filesystems = {}
         self._cache = None
         self._counted = {}
+        self._released = {}
 
     def open(
         self,
@@ -220,12 +223,28 @@ class FileAccess:
         pid = os.getpid()
         cache = self._cache[1] if self._cache is not None and self._cache[0] == pid else None
         counted = self._counted.get(pid)
+        released = self._released.get(pid)
         return summed(
             [
                 *([] if cache is None else [cache.stats]),
                 *([] if counted is None else [counted.stats]),
+                *([] if released is None else [released]),
             ]
         )
+
+    def release_cache(self) -> None:
+        """Stops this process's prefetch threads and releases the entries they hold,
+        evicting to the limit, as a loader's close does; unlike :meth:`close_cache` the
+        figures stay, so ``cache_stats()`` still reports what the reads cost. The cache
+        starts afresh if the source reads again."""
+        pid = os.getpid()
+        if self._cache is not None and self._cache[0] == pid:
+            cache, self._cache = self._cache[1], None
+            cache.close()
+            kept = self._released.get(pid)
+            total = summed([cache.stats, *([] if kept is None else [kept])])
+            if total is not None:
+                self._released[pid] = total
 
     def prefetch_files(self, urls: list[str]) -> None:
         """Downloads ``urls``, the next files a stream reads, into the cache in the
@@ -256,6 +275,7 @@ class FileAccess:
             cache, self._cache = self._cache[1], None
             cache.close()
         self._counted.pop(os.getpid(), None)
+        self._released.pop(os.getpid(), None)
         if stats is not None:
             logger.debug("%s: storage %s", self.describe(), stats)
 
@@ -264,6 +284,7 @@ class FileAccess:
         state["_filesystems"] = {}  # rebuilt where the source is read
         state["_cache"] = None  # threads and locks are per process
         state["_counted"] = {}
+        state["_released"] = {}
         return state
 
 
@@ -280,13 +301,13 @@ def _cache_folder_errors(directory: Path, url: str | None = None) -> Iterator[No
         raise folder_error(directory, exc, url) from exc
 
 
-def close_caches(root: Stage[Any]) -> None:
-    """Closes this process's cache of every file source under ``root``
-    (``FileAccess.close_cache``): its prefetches stop, the entries it held are released
-    and evicted to the limit; the cache starts afresh if the source reads again."""
+def release_caches(root: Stage[Any]) -> None:
+    """Releases this process's cache of every file source under ``root``
+    (``FileAccess.release_cache``): its prefetches stop, the entries it held are evicted
+    to the limit, its figures stay; the cache starts afresh if the source reads again."""
     for stage in _stages(root):
         if isinstance(stage, FileAccess):
-            stage.close_cache()
+            stage.release_cache()
 
 
 def _stages(root: Stage[Any]) -> list[Stage[Any]]:
