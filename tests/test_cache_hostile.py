@@ -201,35 +201,24 @@ def test_prefetched_entries_released_by_a_close_are_evicted(remote: str, tmp_pat
 
 
 @pytest.mark.timeout(60)
-def test_workers_stopped_early_leave_the_folder_under_its_limit(
-    remote: str, tmp_path: Path
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loader_stopped_early_leaves_the_folder_under_its_limit(
+    remote: str, tmp_path: Path, num_workers: int
 ) -> None:
+    """With workers their exit releases and evicts; without, the loader's close does."""
     fs = fsspec.filesystem("memory")
     limit = fs.info(f"{remote}/part-0.jsonl.gz")["size"] + 1  # one file
     source = JsonLinesSource(
         f"{remote}/part-*", cache_dir=tmp_path, cache_limit=limit, prefetch=2, split="files"
     )
-    loader = SavableDataLoader(source, batch_size=4, num_workers=2, multiprocessing_context="fork")
-    with loader:
+    context = "fork" if num_workers else None
+    with SavableDataLoader(
+        source, batch_size=4, num_workers=num_workers, multiprocessing_context=context
+    ) as loader:
         for _ in zip(range(2), loader, strict=False):  # a break after two batches
             pass
-        _wait(lambda: len(list(tmp_path.glob("*.data"))) == 4)  # two read, two prefetched
-    assert _data_bytes(tmp_path) <= limit
-
-
-def test_a_loader_without_workers_closed_early_leaves_the_folder_under_its_limit(
-    remote: str, tmp_path: Path
-) -> None:
-    """Without workers no process exits: the loader's close releases and evicts."""
-    fs = fsspec.filesystem("memory")
-    limit = fs.info(f"{remote}/part-0.jsonl.gz")["size"] + 1  # one file
-    source = JsonLinesSource(
-        f"{remote}/part-*", cache_dir=tmp_path, cache_limit=limit, prefetch=2, split="files"
-    )
-    with SavableDataLoader(source, batch_size=4) as loader:
-        for _ in zip(range(2), loader, strict=False):  # a break after two batches
-            pass
-        _wait(lambda: len(list(tmp_path.glob("*.data"))) >= 2)
+        # Read and prefetched: two per process.
+        _wait(lambda: len(list(tmp_path.glob("*.data"))) >= 2 * max(num_workers, 1))
     assert _data_bytes(tmp_path) <= limit
     assert not list(tmp_path.glob(".tmp-*"))
 
