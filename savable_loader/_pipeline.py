@@ -20,7 +20,7 @@ from .datasets.indexed import IndexedDataset
 from .datasets.sampled import SampledDataset
 from .datasets.stage import Stage
 from .errors import ConfigError
-from .rng import derive_seed
+from .rng import Purpose, seed_for
 from .state.names import QualName, qualified_name
 
 if TYPE_CHECKING:
@@ -28,13 +28,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Pipeline", "base_seed_generator", "build_pipeline"]
 
-_BASE_SEED_PURPOSE = 0xBA5E
-
 
 def base_seed_generator(seed: int, rank: int) -> torch.Generator:
     """The generator torch draws its workers' base seed from when the loader has no
-    ``generator=`` (NOTE [ Seeds ] in ``rng.py``)."""
-    return torch.Generator().manual_seed(derive_seed(seed, rank, _BASE_SEED_PURPOSE))
+    ``generator=`` (NOTE [ Seeds ] in ``rng/generators.py``)."""
+    return torch.Generator().manual_seed(seed_for(Purpose.BASE_SEED, seed, rank))
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ produces events (NOTE [ Events ] in ``_events.py``), taking checkpoints as NOTE
 [ Checkpoint policy ] in ``_ring.py`` says. The event numbering is NOTE [ Sequence
 numbers ] in ``state/models.py``. Without workers (NOTE [ No workers ])
 and in an elastic restore it runs under generators of its own (NOTE [ Own generators ] in
-``rng.py``), so the process's draws and the pipeline's never mix.
+``rng/generators.py``), so the process's draws and the pipeline's never mix.
 
 NOTE [ No workers ]
 With ``num_workers=0`` the pipeline runs in the main process. Its generator states are
 kept apart from the training loop's and swapped in around each event (NOTE [ Own
-generators ] in ``rng.py``), so draws the training loop makes from ``random``,
+generators ] in ``rng/generators.py``), so draws the training loop makes from ``random``,
 ``numpy.random`` or torch between batches change nothing in the data stream, and a
 restore is exact without restoring the trainer's generators. A save captures the
 pipeline's state on the spot: there is no prefetch. The state is read under the
@@ -79,7 +79,7 @@ the epoch, not on what earlier epochs drew, so after a restore onto another layo
 run on that layout draws. Epoch 0 keeps the seed it always had. Because the seeding is a
 function of the layout and the epoch, a checkpoint taken before anything drew from the
 generators records only the epoch they were seeded for, and a restore seeds them again
-(NOTE [ Untouched generators ] in ``rng.py``): a pipeline that never draws from them
+(NOTE [ Untouched generators ] in ``rng/generators.py``): a pipeline that never draws from them
 saves no generator bytes, and nobody has to declare it.
 
 NOTE [ Torch's worker seeds ]
@@ -165,7 +165,7 @@ class PipelineRuntime:
         #: The pipeline raised (NOTE [ Pipeline errors ]): its state is no checkpoint.
         self.failed = False
         self.replayed = 0
-        #: NOTE [ Untouched generators ] in rng.py: the generators right after their
+        #: NOTE [ Untouched generators ] in rng/generators.py: the generators right after their
         #: seeding for an epoch, while nothing has drawn from them; else None.
         self._seeded: rng.Seeded | None = None
         self._first_epoch = True
@@ -176,7 +176,7 @@ class PipelineRuntime:
         self.seq = checkpoint.seq if checkpoint is not None else 0
         #: The loader epoch of the last epoch() call; the first call is spec.epoch.
         self._epoch = spec.epoch - 1
-        # NOTE [ Untouched generators ] in rng.py: the epoch the generators are seeded
+        # NOTE [ Untouched generators ] in rng/generators.py: the epoch the generators are seeded
         # for here, or None when they come from the checkpoint's bytes or from torch.
         seeded: int | None
         if checkpoint is None:
@@ -233,13 +233,13 @@ class PipelineRuntime:
         self.ring.take(self._capture)
 
     def _scope(self) -> rng.Scope:
-        """This runtime made the active seedings (NOTE [ Seeded windows ] in ``rng.py``)
+        """This runtime made the active seedings (NOTE [ Seeded windows ] in ``rng/generators.py``)
         and, in the main process, the pipeline's own generators applied."""
         return rng.Scope(self, self.generators)
 
     def epoch_of(self, snapshot: rng.RngSnapshot) -> int | None:
         """The epoch whose untouched seeding ``snapshot`` equals (NOTE [ Seeded windows ]
-        in ``rng.py``), or None."""
+        in ``rng/generators.py``), or None."""
         seeded = self._seeded
         return seeded.snapshot.seeded_epoch if seeded and seeded.matches(snapshot) else None
 
@@ -397,7 +397,7 @@ class PipelineRuntime:
 
     def _mark_seeded(self, epoch: int) -> None:
         """Keeps the generators as just seeded for ``epoch`` (NOTE [ Untouched generators ]
-        in ``rng.py``)."""
+        in ``rng/generators.py``)."""
         snapshot = self.generators.snapshot if self.generators is not None else rng.capture()
         self._seeded = rng.Seeded(snapshot, epoch)
 
@@ -423,7 +423,7 @@ class PipelineRuntime:
         snapshot = self.generators.snapshot if self.generators is not None else rng.capture()
         seeded = self._seeded
         if seeded is not None:
-            # NOTE [ Untouched generators ] in rng.py: the seeded snapshot stands for an
+            # NOTE [ Untouched generators ] in rng/generators.py: the seeded snapshot stands for an
             # equal capture; the first draw ends the comparisons until the next seeding.
             if seeded.matches(snapshot):
                 snapshot = seeded.snapshot
@@ -439,7 +439,7 @@ class PipelineRuntime:
     @staticmethod
     def _checkpoint(entry: Entry) -> Checkpoint:
         """The saved form of ``entry``: the generators' epoch when they are untouched
-        (NOTE [ Untouched generators ] in ``rng.py``), else their bytes."""
+        (NOTE [ Untouched generators ] in ``rng/generators.py``), else their bytes."""
         generators = entry.rng
         if isinstance(generators, rng.RngSnapshot) and generators.seeded_epoch is not None:
             return Checkpoint(

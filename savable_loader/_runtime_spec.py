@@ -15,8 +15,6 @@ from .state.models import Checkpoint, RngState
 
 __all__ = ["RuntimeSpec", "WorkerStart", "epoch_rng_state", "epoch_seed"]
 
-_SEED_PURPOSE = 0x5EED
-
 
 @dataclass(frozen=True)
 class WorkerStart:
@@ -98,8 +96,8 @@ def epoch_seed(seed: int, rank: int, worker_id: int, epoch: int) -> int:
     """The seed of a worker's global generators at the start of ``epoch``
     (NOTE [ Generators per epoch ])."""
     if epoch == 0:
-        return rng.derive_seed(seed, rank, worker_id, _SEED_PURPOSE)
-    return rng.derive_seed(seed, rank, worker_id, _SEED_PURPOSE, epoch)
+        return rng.seed_for(rng.Purpose.WORKER_EPOCH, seed, rank, worker_id)
+    return rng.seed_for(rng.Purpose.WORKER_EPOCH, seed, rank, worker_id, epoch)
 
 
 def epoch_rng_state(
@@ -109,5 +107,7 @@ def epoch_rng_state(
     key: the rest of an epoch resumed on another layout), without touching this
     process's generators."""
     base = epoch_seed(seed, rank, worker_id, epoch)
-    generators = rng.OwnGenerators.seeded(base if salt is None else rng.derive_seed(base, salt))
+    generators = rng.OwnGenerators.seeded(
+        base if salt is None else rng.seed_for(rng.Purpose.WORKER_SALT, base, salt)
+    )
     return generators.snapshot.to_state()

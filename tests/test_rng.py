@@ -49,8 +49,8 @@ def test_saved_state_matches_the_public_getstate():
 
 
 def test_fast_paths_are_in_use_on_this_platform():
-    assert rng._PYTHON._offset is not None
-    assert rng._NUMPY._offsets is not None
+    assert rng.generators._PYTHON._offset is not None
+    assert rng.generators._NUMPY._offsets is not None
 
 
 def test_derived_seeds_differ_by_rank_and_worker_and_are_stable():

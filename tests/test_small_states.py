@@ -1,6 +1,6 @@
 """Small states (issue 16): a pipeline that never draws from the global generators saves
 no generator bytes, and every pipeline still resumes exactly (NOTE [ Untouched
-generators ] in ``rng.py``)."""
+generators ] in ``rng/generators.py``)."""
 
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def test_inspect_shows_which_workers_saved_generator_bytes(tmp_path, capsys):
     assert "seeded for epoch 0" in out
 
 
-# -- a shuffle's window generators (NOTE [ Seeded windows ] in rng.py) ---------------------
+# -- a shuffle's window generators (NOTE [ Seeded windows ] in rng/generators.py) ---------------------
 
 
 #: Items a shuffle reads: with 2 workers, worker 0's third window of 4 (items 16 and 17)

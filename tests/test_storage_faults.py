@@ -270,7 +270,7 @@ def test_a_closed_loader_leaves_no_runtime_in_the_fsspec_loop(
 ) -> None:
     # asyncio copies the reading thread's context into the callbacks of fsspec's loop
     # thread; a runtime kept there (with its generators' tensors) was freed by that daemon
-    # thread at interpreter exit, which then aborted (NOTE [ Seeded windows ] in rng.py).
+    # thread at interpreter exit, which then aborted (NOTE [ Seeded windows ] in rng/generators.py).
     source = _source("jsonl", _upload(s3, "jsonl"), _through(s3, proxy), tmp_path)
     with _loader(source, 0) as loader:
         assert len(_epochs(loader, 1)) == 24 * 150 // 10

@@ -3,7 +3,7 @@
 Per worker it also says what the checkpoint keeps of the worker's global generators
 (``generators`` of a rank, one entry per worker): ``"bytes"`` (their states, about 10 KB),
 ``"seeded for epoch E"`` (untouched since the loader seeded them for epoch E, NOTE
-[ Untouched generators ] in ``rng.py``) or None (no checkpoint).
+[ Untouched generators ] in ``rng/generators.py``) or None (no checkpoint).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..config import WorkerContext
-from ..rng import derive_seed
+from ..rng import Purpose, seed_for
 
 try:  # torch may drop DataPipes one day; without them nothing here applies
     from torch.utils.data import IterDataPipe
@@ -42,8 +42,6 @@ except ImportError:  # pragma: no cover - torch 2.4 to 2.13 have them
     IterDataPipe = None  # type: ignore[misc,assignment]
 
 __all__ = ["is_datapipe", "seed_epoch", "shard"]
-
-_SEED_PURPOSE = 0xD7A9
 
 
 def is_datapipe(dataset: Any) -> bool:
@@ -60,5 +58,5 @@ def shard(pipe: Any, context: WorkerContext) -> None:
 
 def seed_epoch(pipe: Any, seed: int, epoch: int) -> None:
     """Seeds ``pipe``'s random steps for ``epoch`` alike everywhere (NOTE [ DataPipes ])."""
-    generator = torch.Generator().manual_seed(derive_seed(seed, epoch, _SEED_PURPOSE))
+    generator = torch.Generator().manual_seed(seed_for(Purpose.DATAPIPE, seed, epoch))
     apply_random_seed(pipe, generator)

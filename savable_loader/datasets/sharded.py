@@ -49,7 +49,7 @@ import numpy as np
 from .._filesystems import start_client
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
-from ..rng import derive_seed
+from ..rng import Purpose, seed_for
 from .cache import signature_of
 from .counts_file import (
     FileCount,
@@ -76,7 +76,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_ORDER_PURPOSE = 0x5A4D
 _COUNTING_THREADS = 8
 
 #: How a file source shares an epoch out over streams (NOTE [ Shard listing and assignment ]).
@@ -370,7 +369,7 @@ class ShardedSource(FileAccess, Stage[T]):
         count = len(self.urls)
         if not self.shuffle_shards:
             return list(range(count))
-        rng = np.random.default_rng(derive_seed(self.seed, _ORDER_PURPOSE, epoch))
+        rng = np.random.default_rng(seed_for(Purpose.FILE_ORDER, self.seed, epoch))
         return [int(i) for i in rng.permutation(count)]
 
     def places(self, context: WorkerContext, rest: Rest | None) -> list[int]:

@@ -103,7 +103,6 @@ __all__ = ["StatefulDataset", "from_stateful", "is_stateful", "iterator_is_state
 
 T = TypeVar("T")
 Resume = Literal["auto", "state", "replay"]
-_STREAM_PURPOSE = 0x57A7E
 
 
 class _State(StageState):
@@ -334,7 +333,7 @@ class _StatefulCursor(Cursor[T]):
         if callable(set_epoch):
             set_epoch(self._epoch)
         if self.stage.resume == "replay":
-            seed = rng.derive_seed(*self._keys, _STREAM_PURPOSE, self._epoch)
+            seed = rng.seed_for(rng.Purpose.STATEFUL_STREAM, *self._keys, self._epoch)
             self._generators = rng.OwnGenerators.seeded(seed)
         iterator: Iterator[T] = self._read(self.obj, first=True)
         if not self.stage.saves_obj and not is_stateful(iterator):

@@ -2,7 +2,7 @@
 
 NOTE [ Generator states are checked at the door ]
 A state file is untrusted input, and generator states are the part of it that reaches
-memory directly: the fast paths of ``rng.py`` copy Python's Mersenne Twister state into
+memory directly: the fast paths of ``rng/generators.py`` copy Python's Mersenne Twister state into
 the interpreter's ``random`` object with ``ctypes`` (NOTE [ Fast Python state ]), where
 an index past 624 makes the next draw read and write outside the object (a segfault,
 or worse). So every generator state a loader state holds is checked when the state is
@@ -16,7 +16,7 @@ validated, before a restore starts anything, by exactly the rules of the public 
   (it refuses a wrong size and an invalid Mersenne Twister: ``left``, ``next``, ``seeded``).
 
 The checks cost a few microseconds per state. The fast setters check the Python index
-once more before they copy (``rng.py``), so a state that bypasses validation still
+once more before they copy (``rng/generators.py``), so a state that bypasses validation still
 cannot reach memory.
 """
 

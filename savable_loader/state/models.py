@@ -155,7 +155,7 @@ class Checkpoint(_Model):
         seeded_epoch: The generators are exactly as the loader seeds them for this epoch
             (NOTE [ Generators per epoch ] in ``_runtime.py``): nothing had drawn from
             them since, and a restore seeds them again instead of reading bytes (NOTE
-            [ Untouched generators ] in ``rng.py``). None when ``rng`` holds the bytes;
+            [ Untouched generators ] in ``rng/generators.py``). None when ``rng`` holds the bytes;
             left out of the plain data then, so such a state reads as it always did.
 
     Exactly one of ``rng`` and ``seeded_epoch`` is set.

@@ -44,12 +44,6 @@ main process (an elastic restore), a shuffle re-reading its window, an adapted o
 replay mode. :class:`OwnGenerators` holds such states and is the one place that swaps
 them in: ``with generators:`` applies them, and on leaving keeps what the step drew and
 puts the process's states back.
-
-NOTE [ Seeds ]
-Every seed the loader uses derives from (loader seed, rank, worker id, purpose) through
-``numpy.random.SeedSequence``, never from the main process's generators. A run is
-reproducible without global seeding, ranks and workers never share a stream, and the
-training loop's own draws cannot change the data stream.
 """
 
 from __future__ import annotations
@@ -67,7 +61,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .state.models import RngState
+from ..state.models import RngState
 
 __all__ = [
     "OwnGenerators",
@@ -77,7 +71,6 @@ __all__ = [
     "Seedings",
     "apply",
     "capture",
-    "derive_seed",
     "seed_globals",
     "seeded_epoch_of",
     "seeded_for",
@@ -462,13 +455,6 @@ def _same_numpy_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 _HAS_GAUSS = ctypes.sizeof(ctypes.c_void_p)
 _GAUSS = _HAS_GAUSS + ctypes.sizeof(ctypes.c_double)
-
-
-def derive_seed(seed: int, *keys: int) -> int:
-    """Derives a 63-bit seed from ``seed`` and integer ``keys`` (rank, worker id, purpose)."""
-    entropy = [seed & 0xFFFFFFFFFFFFFFFF, *(k & 0xFFFFFFFFFFFFFFFF for k in keys)]
-    words = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
-    return (int(words[0]) << 31) ^ int(words[1])
 
 
 def seed_globals(seed: int) -> None:

@@ -1,0 +1,107 @@
+"""Every keyed seed and generator of the library, derived by one function from a registry.
+
+NOTE [ Seeds ]
+Every seed the loader uses derives from the loader seed, a :class:`Purpose` and integer
+keys through ``numpy.random.SeedSequence``, never from the main process's generators. A
+run is reproducible without global seeding, the training loop's own draws cannot change
+the data stream, and two purposes never share a stream: :class:`Purpose` is the one
+registry of them, ``enum.unique`` refuses two purposes with one number, and
+``tests/test_rng_keys.py`` checks it too.
+
+NOTE [ Keys of the global stream ]
+What a pipeline draws for an item is keyed by the item's place in the global stream
+(``Cursor.item_key()``: the source's epoch and the item's position in that epoch's
+canonical order), never by the rank or the worker that happens to read it: a seeded
+``Map``'s per-item generator (:attr:`Purpose.MAP_ITEM`) and the global generators seeded
+before each item with ``seed_each_item`` (:attr:`Purpose.ITEM_GLOBALS`). Then the same
+item gets the same draws on any number of ranks and workers, and after a restore onto
+another layout (``docs/explanation/elastic.md``).
+
+The other purposes key per-epoch orders by ``(seed, epoch)`` (layout-free too) or a
+worker's own generators by ``(seed, rank, worker)``; those were fixed before this
+registry, and the place of the purpose's number among the keys (:data:`_SLOT`) keeps
+what states saved by earlier versions derive.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+__all__ = ["Purpose", "derive_seed", "generator_for", "seed_for"]
+
+_MASK = 0xFFFFFFFFFFFFFFFF
+
+
+@enum.unique
+class Purpose(enum.IntEnum):
+    """What a keyed seed or generator is for: its number goes into the entropy."""
+
+    #: A worker's global generators at an epoch's start: keys (rank, worker[, epoch]).
+    WORKER_EPOCH = 0x5EED
+    #: The rest of an epoch resumed on another layout: keys (worker epoch seed, salt).
+    WORKER_SALT = 0x5A17
+    #: The generator torch draws its workers' base seed from: keys (rank,).
+    BASE_SEED = 0xBA5E
+    #: An indexed source's permutation of an epoch: keys (epoch,).
+    PERMUTATION = 0x1D
+    #: A file source's file order of an epoch: keys (epoch,).
+    FILE_ORDER = 0x5A4D
+    #: A DataPipe's random steps in an epoch: keys (epoch,).
+    DATAPIPE = 0xD7A9
+    #: A Stateful object's own stream in an epoch: keys (rank, worker, epoch).
+    STATEFUL_STREAM = 0x57A7E
+    #: A window shuffle's order of one window: keys (rank, worker, epoch, window).
+    WINDOW = 0x5F1
+    #: A blend's draws, a block of positions at a time: keys (rank, worker, epoch, block).
+    BLEND_DRAW = 0xB1E
+    #: A seeded map's generator for an item without a global key: keys (rank, worker,
+    #: epoch, position[, salt]).
+    MAP_STREAM_ITEM = 0x3A9
+    #: A seeded map's generator for an item: keys (item key...), NOTE [ Keys of the global stream ].
+    MAP_ITEM = 0x3AA
+    #: The global generators before a source produces an item: keys (item key...).
+    ITEM_GLOBALS = 0x1739
+    #: The global generators before a map's function runs on an item: keys (stage,
+    #: item key...).
+    MAP_GLOBALS = 0x1740
+
+
+#: Where a purpose's number sits among the entropy words (0: the seed itself), for the
+#: purposes whose derivation states saved by earlier versions depend on; 1 otherwise.
+#: None: not among them (the salted generators were derived so before the registry, and
+#: states saved after an elastic restore hold what they drew).
+_SLOT: dict[Purpose, int | None] = {
+    Purpose.WORKER_SALT: None,
+    Purpose.WORKER_EPOCH: 3,
+    Purpose.BASE_SEED: 2,
+    Purpose.DATAPIPE: 2,
+    Purpose.STATEFUL_STREAM: 3,
+}
+
+
+def _entropy(purpose: Purpose, seed: int, keys: tuple[int, ...]) -> list[int]:
+    words = [seed & _MASK, *(key & _MASK for key in keys)]
+    slot = _SLOT.get(purpose, 1)
+    if slot is not None:
+        words.insert(slot, int(purpose))
+    return words
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed from ``seed`` and integer ``keys``; :func:`seed_for` names the
+    purpose."""
+    entropy = [seed & _MASK, *(k & _MASK for k in keys)]
+    words = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+def seed_for(purpose: Purpose, seed: int, *keys: int) -> int:
+    """The 63-bit seed of ``purpose`` for ``seed`` and ``keys`` (NOTE [ Seeds ])."""
+    return derive_seed(*_entropy(purpose, seed, keys))
+
+
+def generator_for(purpose: Purpose, seed: int, *keys: int) -> np.random.Generator:
+    """A NumPy generator of ``purpose`` for ``seed`` and ``keys`` (NOTE [ Seeds ])."""
+    return np.random.default_rng(_entropy(purpose, seed, keys))
