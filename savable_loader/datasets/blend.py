@@ -36,11 +36,11 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, TypeVar, get_args
 
-import numpy as np
 from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
+from ..rng import Purpose, generator_for
 from .adapt import as_stage
 from .cursor import AnyState, Cursor, StageState
 from .stage import Stage, fluent
@@ -50,7 +50,6 @@ __all__ = ["Blend"]
 T = TypeVar("T")
 
 Stop = Literal["first_exhausted", "all_exhausted", "never"]
-_DRAW_PURPOSE = 0xB1E
 _BLOCK = 256
 
 
@@ -175,6 +174,8 @@ class _BlendCursor(Cursor[T]):
     def _reset(self, epoch: int) -> None:
         self.epoch, self.position = epoch, 0
         self.exhausted = [False] * len(self.sources)
+        #: The source the last item came from (:meth:`item_key`).
+        self._last: int | None = None
 
     def __next__(self) -> T:
         u = self._uniform(self.position)
@@ -192,7 +193,16 @@ class _BlendCursor(Cursor[T]):
                     continue
                 item = self._restart(index)
             self.position += 1
+            self._last = index
             return item
+
+    def item_key(self) -> tuple[int, ...] | None:
+        """``(source index, *that source's key)`` of the last item (NOTE [ Keys of the
+        global stream ] in ``rng/keys.py``); None when that source's items have none."""
+        if self._last is None:
+            return None
+        key = self.sources[self._last].item_key()
+        return None if key is None else (self._last, *key)
 
     def _restart(self, index: int) -> T:
         try:
@@ -216,8 +226,10 @@ class _BlendCursor(Cursor[T]):
         epoch, cached, values = self._uniforms
         if (epoch, cached) != (self.epoch, block):
             ctx = self.context
-            key = [self.stage.seed, _DRAW_PURPOSE, ctx.rank, ctx.worker_id, self.epoch, block]
-            values = np.random.default_rng(key).random(_BLOCK).tolist()
+            generator = generator_for(
+                Purpose.BLEND_DRAW, self.stage.seed, ctx.rank, ctx.worker_id, self.epoch, block
+            )
+            values = generator.random(_BLOCK).tolist()
             self._uniforms = (self.epoch, block, values)
         return values[position % _BLOCK]
 

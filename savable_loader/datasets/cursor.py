@@ -45,6 +45,12 @@ The base class owns the public methods; a subclass fills in hooks.
 - ``close()`` releases what the cursor and its parents hold open (files), through the
   hook ``close_own``, which may run any number of times. The position is kept: reading
   again reopens what it needs.
+- ``item_key()`` names the item ``next()`` last returned by its place in the global
+  stream, a tuple of ints that depends on neither the rank nor the worker that read it
+  (NOTE [ Keys of the global stream ] in ``rng/keys.py``): a source's epoch and the
+  item's position in that epoch's canonical order. None when the stage cannot say (your
+  own iterable dataset, a Stateful object). A transform that hands on its parent's items
+  one for one (``passes_keys``) hands on their keys.
 """
 
 from __future__ import annotations
@@ -97,6 +103,9 @@ class Cursor(Iterator[T], abc.ABC):
     State: ClassVar[type[StageState] | None] = None
     #: The stage's name in error messages (default: the class name without "Cursor").
     stage_name: ClassVar[str] = ""
+    #: A transform whose items are its parent's, one for one: its items' keys are the
+    #: parent's (:meth:`item_key`).
+    passes_keys: ClassVar[bool] = False
 
     def __init__(self, context: WorkerContext, *parents: Cursor[Any]) -> None:
         self.context = context
@@ -174,6 +183,13 @@ class Cursor(Iterator[T], abc.ABC):
 
     def close_own(self) -> None:
         """Releases what this cursor holds open; may run any number of times."""
+
+    def item_key(self) -> tuple[int, ...] | None:
+        """The key of the item ``next()`` last returned in the global stream (NOTE [ The
+        cursor contract ]); None: the stage cannot say, or no item was returned."""
+        if self.passes_keys:
+            return self.parent.item_key()
+        return None
 
     # -- the contract -------------------------------------------------------------------
 

@@ -90,6 +90,8 @@ class ShardCursor(Cursor[T]):
         #: A restore opens the file at the restored offset to check it (else the first
         #: read does): NOTE [ States checked at the door ] in ``stage.py``.
         self.check_files = False
+        #: The key of the item ``next()`` last returned (:meth:`item_key`).
+        self._key: tuple[int, ...] | None = None
         if stage.split == "files" and context.shard_index >= len(stage.urls):
             logger.warning(
                 "%s: %d files for %d streams (%d ranks x %d workers): rank %d worker %d "
@@ -132,10 +134,12 @@ class ShardCursor(Cursor[T]):
             if url is None:
                 self.end_epoch()
                 raise StopIteration
+            key = (self.epoch, self._layout()[0][self.shard], self.position()[0])
             item = self.attempt(url, functools.partial(self.read_item, url))
             if self.file_done:
                 self.next_shard()
             if item is not None:
+                self._key = key
                 return item
 
     def _next_sample(self) -> T:
@@ -170,6 +174,7 @@ class ShardCursor(Cursor[T]):
     def _read_sample(self, url: str) -> T | None:
         """Reads the sample at ``at`` of the open file; at its end moves to the next one."""
         start = self.position()
+        key = (self.epoch, self.place, self.at)
         try:
             item = self.attempt(url, functools.partial(self.read_item, url))
         except BaseException as exc:
@@ -183,9 +188,17 @@ class ShardCursor(Cursor[T]):
         if item is not None:
             self.at += 1
             self.taken += 1
+            self._key = key
         if self.file_done:
             self.move_to(self.place + 1)
         return item
+
+    def item_key(self) -> tuple[int, ...] | None:
+        """``(epoch, place, at)`` with ``split="samples"``: the file's place in the
+        epoch's order and the sample's index in it; ``(epoch, place, offset)`` with
+        ``split="files"``: where the item begins in the file. Both are places of the
+        epoch's canonical order (NOTE [ Elastic sample order ], NOTE [ Elastic file order ])."""
+        return self._key
 
     def skip_fast(self, n: int) -> int | None:
         run = self._sample_run() if self.stage.split == "samples" else None
@@ -349,6 +362,7 @@ class ShardCursor(Cursor[T]):
         return state
 
     def restore_own(self, state: Any | None) -> None:
+        self._key = None
         if self.stage.split == "samples":
             self._restore_samples(state)
             return

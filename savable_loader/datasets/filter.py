@@ -62,6 +62,8 @@ class Filter(Transform[T]):
 
 
 class _FilterCursor(TransformCursor[T]):
+    passes_keys = True
+
     def __init__(
         self, predicate: Callable[[T], bool], parent: Cursor[T], context: WorkerContext
     ) -> None:

@@ -74,7 +74,7 @@ import numpy as np
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
-from ..rng import derive_seed
+from ..rng import Purpose, seed_for
 from ..state.names import qualified_name
 from . import indexed_rest
 from .cursor import Cursor
@@ -97,7 +97,6 @@ __all__ = ["Even", "IndexedDataset", "read_batch"]
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
-_PERMUTATION_PURPOSE = 0x1D
 #: Positions whose indices a cursor computes at once (NOTE [ Computed epoch orders ]).
 _BLOCK = 1024
 
@@ -280,6 +279,8 @@ class IndexedCursor(Cursor[T]):
         self.order = indexed_rest.FRESH_ORDER
         self._order: tuple[int, int, Any] = (-1, 0, None)  # (epoch, order, perm)
         self._block: tuple[int, int, np.ndarray] = (-1, -1, np.empty(0, dtype=np.int64))
+        #: ``(epoch, pos, done)`` of the item ``next()`` last returned (:meth:`item_key`).
+        self._last: tuple[int, int, tuple[int, np.ndarray] | None] | None = None
 
     def _named(self, length: int) -> int | None:
         return None if length == len(self.stage.data) else length
@@ -307,7 +308,16 @@ class IndexedCursor(Cursor[T]):
             raise StopIteration
         index = self.index(pos)
         self.pos = pos + 1
+        self._last = (self.epoch, pos, self.done)
         return self.item(index)
+
+    def item_key(self) -> tuple[int, ...] | None:
+        """``(epoch, position)``: the position of the epoch's canonical order (NOTE
+        [ Elastic indexed order ]), padded positions counted on past the dataset's length."""
+        if self._last is None:
+            return None
+        epoch, pos, done = self._last
+        return (epoch, int(self.positions(pos, pos + 1, done)[0]))
 
     def take(self, n: int) -> list[T]:
         pos = self.pos
@@ -369,6 +379,7 @@ class IndexedCursor(Cursor[T]):
     def restore_own(self, state: Any | None) -> None:
         position = state if isinstance(state, _State) else _State(epoch=0, pos=0)
         self.epoch, self.pos = position.epoch, position.pos
+        self._last = None
         self.done = parse_done(position)
         # The initial state is a fresh epoch; a saved one names its length or not.
         self.length = position.length if state is not None else self._named(self.fresh_length)
@@ -446,22 +457,28 @@ class IndexedCursor(Cursor[T]):
         """The dataset indices at positions ``[start, stop)`` of this worker's shard in
         this epoch, computed (NOTE [ Computed epoch orders ] in ``permutation.py``)."""
         items = len(self.stage.data)
-        positions = global_position(np.arange(start, stop, dtype=np.int64), self.context)
-        if self.done is not None:
-            below, done = self.done
-            positions = nth_remaining(positions, below, done)
-        positions = np.asarray(positions, dtype=np.int64) % max(items, 1)
+        positions = self.positions(start, stop, self.done) % max(items, 1)
         if not self.stage.shuffled:
             return positions
         indices: np.ndarray = self._permutation(items)(positions)
         return indices
+
+    def positions(self, start: int, stop: int, done: tuple[int, np.ndarray] | None) -> np.ndarray:
+        """The epoch's positions at ``[start, stop)`` of this worker's shard, ``done``
+        being the positions consumed before an elastic restore (NOTE [ Elastic indexed
+        order ])."""
+        positions = global_position(np.arange(start, stop, dtype=np.int64), self.context)
+        if done is not None:
+            below, consumed = done
+            positions = nth_remaining(positions, below, consumed)
+        return np.asarray(positions, dtype=np.int64)
 
     def _permutation(self, items: int) -> Any:
         """The shuffled order of this epoch: a computed bijection, or for a state saved
         before those (order 1) the stored permutation of that version."""
         epoch, order, permutation = self._order
         if epoch != self.epoch or order != self.order:
-            seed = derive_seed(self.stage.seed, _PERMUTATION_PURPOSE, self.epoch)
+            seed = seed_for(Purpose.PERMUTATION, self.stage.seed, self.epoch)
             if self.order == 2:
                 permutation = KeyedPermutation(items, seed)
             else:

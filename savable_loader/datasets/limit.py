@@ -131,6 +131,7 @@ class _Count(StageState):
 
 
 class _LimitCursor(TransformCursor[T]):
+    passes_keys = True
     State = _Count
 
     def __init__(self, n: int, parent: Cursor[T], context: WorkerContext) -> None:

@@ -1,14 +1,18 @@
 """``Map``: applies a function to every item, optionally with a per-item generator.
 
 NOTE [ Per-item generators ]
-With a ``seed``, ``fn(item, rng)`` receives a ``numpy.random.Generator`` seeded from
-``(seed, rank, worker, epoch, position)``, where ``position`` counts this stage's items
-in the epoch (plus, for the rest of an epoch resumed on another layout, a salt drawn
-from the saved states: NOTE [ Elastic resume ] in ``elastic.py``). The generator is a
-function of where the item stands, so nothing about it needs saving and a restored
-pipeline hands every item the generator it had. Without a
-seed, ``fn(item)`` may still draw from the global ``random``, ``numpy.random`` and torch
-generators; the loader captures those in its checkpoints.
+With a ``seed``, ``fn(item, rng)`` receives a ``numpy.random.Generator`` keyed by the
+item's place in the global stream: ``(seed, item key)``, the key the source gives the
+item (NOTE [ Keys of the global stream ] in ``rng/keys.py``). The generator is a function
+of the item alone, so nothing about it needs saving, a restored pipeline hands every item
+the generator it had, and so does a run on another number of ranks or workers, or one
+restored onto another layout. An item whose source gives no key (your own iterable
+dataset, a Stateful object) gets a generator keyed by where it stands in this stream:
+``(seed, rank, worker, epoch, position)``, ``position`` counting this stage's items in
+the epoch (plus, for the rest of an epoch resumed on another layout, a salt drawn from
+the saved states: NOTE [ Elastic resume ] in ``elastic.py``). Without a seed, ``fn(item)``
+may still draw from the global ``random``, ``numpy.random`` and torch generators; the
+loader captures those in its checkpoints, or seeds them per item (``seed_each_item``).
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
 from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
+from ..rng import Purpose, generator_for
 from ..state.names import qualified_name
 from .cursor import Cursor, StageState, TransformCursor
 from .elastic import ReshardPlan
@@ -31,8 +35,6 @@ __all__ = ["Map"]
 
 T = TypeVar("T")
 U = TypeVar("U")
-
-_ITEM_PURPOSE = 0x3A9
 
 
 @fluent("map")
@@ -50,11 +52,12 @@ class Map(Transform[U]):
 
     State:
         Without a seed, the parent's state: Map adds nothing. With a seed, also
-        ``{"epoch": e, "position": p}``, the key of the next item's generator. Restore
-        replays nothing. Elastic when its source is: after a restore onto another layout,
-        the rest of the epoch keys its generators by the new streams' positions plus a
-        ``salt`` drawn from the saved states (so no draw of the saved run repeats), and
-        the next epochs by the same keys as a fresh run on that layout.
+        ``{"epoch": e, "position": p}``, this stream's count of items in the epoch (the
+        key of an item whose source gives none). Restore replays nothing. Elastic when its
+        source is: items keyed by the source get the same generators on every layout; the
+        others, after a restore onto another layout, are keyed by the new streams'
+        positions plus a ``salt`` drawn from the saved states (so no draw of the saved run
+        repeats) for the rest of the epoch, and as a fresh run on that layout after it.
     """
 
     bounded_by_parent = True
@@ -95,6 +98,8 @@ class Map(Transform[U]):
 
 
 class _MapCursor(TransformCursor[U]):
+    passes_keys = True
+
     def __init__(self, stage: Map[U], parent: Cursor[Any], context: WorkerContext) -> None:
         super().__init__(parent, context)
         self.fn = stage.fn
@@ -117,6 +122,7 @@ class _Position(StageState):
 
 
 class _SeededMapCursor(TransformCursor[U]):
+    passes_keys = True
     State = _Position
     stage_name = "Map"
 
@@ -134,11 +140,14 @@ class _SeededMapCursor(TransformCursor[U]):
         except StopIteration:
             self.epoch, self.position, self.salt = self.epoch + 1, 0, None
             raise
-        ctx = self.context
-        key = [self.seed, _ITEM_PURPOSE, ctx.rank, ctx.worker_id, self.epoch, self.position]
-        if self.salt is not None:
-            key.append(self.salt)
-        rng = np.random.default_rng(key)
+        key = self.parent.item_key()
+        if key is not None:
+            rng = generator_for(Purpose.MAP_ITEM, self.seed, *key)
+        else:
+            ctx = self.context
+            stream = [ctx.rank, ctx.worker_id, self.epoch, self.position]
+            salt = [] if self.salt is None else [self.salt]
+            rng = generator_for(Purpose.MAP_STREAM_ITEM, self.seed, *stream, *salt)
         self.position += 1
         return self.fn(item, rng)
 

@@ -94,6 +94,7 @@ class _Passes(StageState):
 
 
 class _RepeatCursor(TransformCursor[T]):
+    passes_keys = True
     State = _Passes
 
     def __init__(self, times: int | None, parent: Cursor[T], context: WorkerContext) -> None:

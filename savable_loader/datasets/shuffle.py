@@ -22,7 +22,7 @@ window was the epoch's last). Capturing the generators costs a few microseconds 
 window. They weigh ~10 KB in a saved state, unless they were still as the loader seeded
 them for an epoch (nothing drew from them): the state then names that epoch
 (``seeded_epoch``) and a restore seeds them again (NOTE [ Seeded windows ] in
-``rng.py``).
+``rng/generators.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 from typing import Any, NoReturn, TypeVar
 
-import numpy as np
 from pydantic import Field
 
 from .. import rng
@@ -44,8 +43,6 @@ from .transform import Transform
 __all__ = ["Shuffle"]
 
 T = TypeVar("T")
-
-_WINDOW_PURPOSE = 0x5F1
 
 
 class _State(StageState):
@@ -145,9 +142,12 @@ class _ShuffleCursor(TransformCursor[T]):
         self.epoch, self.window, self.emitted = epoch, 0, 0
         self._start: Any = None  # the restore point; None: no window read in this epoch
         # The generators at the window start; converted to RngState when a state asks,
-        # or the epoch they were seeded for (NOTE [ Seeded windows ] in rng.py).
+        # or the epoch they were seeded for (NOTE [ Seeded windows ] in rng/generators.py).
         self._rng: rng.RngSnapshot | RngState | int | None = None
         self._items: list[T] = []
+        #: The items' keys in the global stream (:meth:`item_key`), read with them.
+        self._keys: list[tuple[int, ...] | None] = []
+        self._last: tuple[int, ...] | None = None
         self._order: list[int] = []
         self._parent_ended = False
         self._pending = False
@@ -172,9 +172,14 @@ class _ShuffleCursor(TransformCursor[T]):
         return self._emit()
 
     def _emit(self) -> T:
-        item = self._items[self._order[self.emitted]]
+        place = self._order[self.emitted]
+        self._last = self._keys[place]
         self.emitted += 1
-        return item
+        return self._items[place]
+
+    def item_key(self) -> tuple[int, ...] | None:
+        """The parent's key of the item, read with it into the window."""
+        return self._last
 
     def _end(self) -> NoReturn:
         self._reset(epoch=self.epoch + 1)
@@ -182,17 +187,21 @@ class _ShuffleCursor(TransformCursor[T]):
 
     def _read(self) -> None:
         items: list[T] = []
+        keys: list[tuple[int, ...] | None] = []
         self._parent_ended = False
         while len(items) < self.buffer_size:
             try:
                 items.append(next(self.parent))
+                keys.append(self.parent.item_key())
             except StopIteration:
                 self._parent_ended = True
                 break
         ctx = self.context
-        key = [self.seed, _WINDOW_PURPOSE, ctx.rank, ctx.worker_id, self.epoch, self.window]
-        self._order = np.random.default_rng(key).permutation(len(items)).tolist()
-        self._items = items
+        generator = rng.generator_for(
+            rng.Purpose.WINDOW, self.seed, ctx.rank, ctx.worker_id, self.epoch, self.window
+        )
+        self._order = generator.permutation(len(items)).tolist()
+        self._items, self._keys = items, keys
 
     def _resume(self) -> None:
         """Re-reads the restored window under its start generators (NOTE [ Shuffle
