@@ -74,9 +74,10 @@ def own_state(state: SavedStates, layout: Layout, *, approximate: bool) -> RankS
     """
     if isinstance(state, (RankState, dict)):
         single = RankState.from_plain(state)
-        if single.world_size != 1 or (1, single.num_workers) == (
+        if single.world_size != 1 or (1, single.num_workers, single.batch_size) == (
             layout.world_size,
             layout.num_workers,
+            layout.batch_size,
         ):
             return single
         states = [single]
@@ -139,10 +140,11 @@ def states_for_layout(
 
 
 def saved_on_layout(states: Sequence[RankState], layout: Layout) -> bool:
-    """Whether one save's states come from ``layout``'s number of ranks and workers, so
-    that no reshard is needed."""
+    """Whether one save's states come from ``layout``'s number of ranks and workers and
+    its batch size, so that no reshard is needed."""
     return len(states) == layout.world_size and all(
-        state.num_workers == layout.num_workers for state in states
+        (state.num_workers, state.batch_size) == (layout.num_workers, layout.batch_size)
+        for state in states
     )
 
 
@@ -176,7 +178,8 @@ def check_compatible(state: RankState, layout: Layout) -> None:
             "batch_size",
             state.batch_size,
             layout.batch_size,
-            f"build the loader with batch_size={state.batch_size}",
+            f"build the loader with batch_size={state.batch_size}, or restore the list of "
+            "every rank's state to move it onto this batch size",
         ),
         ("seed", state.seed, layout.seed, f"build the loader with seed={state.seed}"),
     ]

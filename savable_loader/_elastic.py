@@ -9,8 +9,6 @@ generators. The pipeline's root stage then answers one
 :class:`~savable_loader.datasets.elastic.ReshardPlan` per new worker. The new workers
 start the resumed epoch from those states with nothing to replay and their global
 generators seeded for that epoch (NOTE [ Generators per epoch ] in ``_runtime.py``).
-The module runs past 400 lines because the checks of a save, the replays that bring its
-streams to their positions and the states built from them share their helpers.
 
 NOTE [ A rank at its last batch ]
 A rank saved right after it handed on its last batch of epoch ``e`` has not asked for the
@@ -166,12 +164,18 @@ class _Move:
                 for name, before, after in (
                     ("world_size", saved.world_size, layout.world_size),
                     ("num_workers", saved.num_workers, layout.num_workers),
+                    ("batch_size", saved.batch_size, layout.batch_size),
                 )
                 if before != after
             )
+            fix = (
+                f", or build the loader with batch_size={saved.batch_size}"
+                if saved.batch_size != layout.batch_size
+                else ""
+            )
             raise StateMismatchError(
                 f"cannot restore: {changes}, and the pipeline is not elastic: "
-                f"{problem.stage}: {problem.reason}. To resume, {problem.fix}"
+                f"{problem.stage}: {problem.reason}. To resume, {problem.fix}{fix}"
             )
         exact: dict[tuple[int, int], Any] = {}
         epoch, states = _standing(states, layout, exact)
@@ -231,7 +235,8 @@ class _Move:
                     seq=1 if ended else 0,
                     state=state,
                     # Generators seeded for the epoch are named by it, with no bytes (NOTE
-                    # [ Untouched generators ] in rng.py); salted ones are saved as bytes.
+                    # [ Untouched generators ] in rng/generators.py); salted ones are saved
+                    # as bytes.
                     rng=epoch_rng_state(layout.seed, rank, context.worker_id, target, self.salt)
                     if salted
                     else None,
@@ -248,7 +253,7 @@ class _Move:
             rank=rank,
             world_size=layout.world_size,
             num_workers=layout.num_workers,
-            batch_size=saved.batch_size,
+            batch_size=layout.batch_size,
             seed=saved.seed,
             epoch=self.epoch if elastic else target,
             next_worker=0,
@@ -275,28 +280,36 @@ def _check(states: Sequence[RankState], layout: Layout) -> None:
                     f"states[{index}] has {name} {getattr(state, name)!r} but states[0] has "
                     f"{getattr(first, name)!r}: the states come from different saves"
                 )
-    if not layout.matches(first.fingerprint, first.num_workers):
+    if (first.batch_size is None) != (layout.batch_size is None):
+        raise StateMismatchError(
+            f"cannot restore: batch_size was {first.batch_size} when the state was saved "
+            f"and is {layout.batch_size} now; a state saved with batches restores into a "
+            "loader with a batch_size, one saved without into a loader without"
+        )
+    if first.seed != layout.seed:
+        raise StateMismatchError(
+            f"cannot restore: seed was {first.seed} when the state was saved and is "
+            f"{layout.seed} now; build the loader with seed={first.seed}"
+        )
+    if not layout.matches(first.fingerprint, first.num_workers, first.batch_size):
+        drop_last = layout.root.drop_last
+        if layout.matches(
+            first.fingerprint, first.num_workers, first.batch_size, drop_last=not drop_last
+        ):
+            raise StateMismatchError(
+                f"cannot restore: drop_last was {not drop_last} when the state was saved and "
+                f"is {drop_last} now; build the loader with drop_last={not drop_last}"
+            )
         raise StateMismatchError(
             "cannot restore: "
             + (
                 name_changes(first.callables, layout.callables)
                 or f"the pipeline fingerprint was {first.fingerprint} when the state was "
-                f"saved and is {layout.fingerprint_for(first.num_workers)} now; rebuild the "
-                "pipeline and loader as they were (only the number of workers and ranks may "
-                "change)"
+                f"saved and is {layout.fingerprint_for(first.num_workers, first.batch_size)} "
+                "now; rebuild the pipeline and loader as they were (only the number of "
+                "ranks, workers and the batch size may change)"
             )
         )
-    checks = [
-        ("seed", first.seed, layout.seed),
-        ("batch_size", first.batch_size, layout.batch_size),
-    ]
-    for name, saved, current in checks:
-        if saved != current:
-            raise StateMismatchError(
-                f"cannot restore: {name} was {saved} when the state was saved and is "
-                f"{current} now; rebuild the pipeline and loader as they were (only the "
-                "number of workers and ranks may change)"
-            )
 
 
 def _standing(

@@ -69,17 +69,23 @@ class Layout:
         they stand in its config (``RankState.callables``)."""
         return named(self._tree(self.num_workers))
 
-    def fingerprint_for(self, num_workers: int) -> str:
-        """The fingerprint of this pipeline and loader had it ``num_workers`` workers."""
-        return fingerprint(self._tree(num_workers))
+    def fingerprint_for(self, num_workers: int, batch_size: int | None = None) -> str:
+        """The fingerprint of this pipeline and loader had it ``num_workers`` workers (and
+        ``batch_size``, by default its own)."""
+        return fingerprint(self._tree(num_workers, batch_size))
 
-    def matches(self, saved: str, num_workers: int) -> bool:
-        """Whether ``saved`` is this pipeline's fingerprint with ``num_workers`` workers,
-        also as a version before NOTE [ Names from a script ] (``state/names.py``) wrote
-        it from a script."""
-        if saved == (self.fingerprint if num_workers == self.num_workers else None):
+    def matches(
+        self, saved: str, num_workers: int, batch_size: int | None = None, **loader: Any
+    ) -> bool:
+        """Whether ``saved`` is this pipeline's fingerprint with ``num_workers`` workers
+        and ``batch_size`` (by default its own) and the ``loader`` arguments given
+        (``drop_last``), also as a version before NOTE [ Names from a script ]
+        (``state/names.py``) wrote it from a script."""
+        own = num_workers == self.num_workers and batch_size in (None, self.batch_size)
+        if saved == (self.fingerprint if own and not loader else None):
             return True
-        tree = self._tree(num_workers)
+        tree = self._tree(num_workers, batch_size)
+        tree = {**tree, "loader": {**tree["loader"], **loader}}
         trees = [tree]
         if self.root.collate_fn is None:
             # Saved with torch's default passed explicitly, before that meant None.
@@ -95,13 +101,13 @@ class Layout:
         tree = _without_sample_split(self._tree(num_workers))
         return saved in (fingerprint(tree), fingerprint(tree, raw_names=True))
 
-    def _tree(self, num_workers: int) -> dict[str, Any]:
+    def _tree(self, num_workers: int, batch_size: int | None = None) -> dict[str, Any]:
         root = self.root
         collate = root.collate_fn
         return {
             "dataset": root.source.config(),
             "loader": {
-                "batch_size": root.batch_size,
+                "batch_size": root.batch_size if batch_size is None else batch_size,
                 "drop_last": root.drop_last,
                 "seed": self.seed,
                 "num_workers": num_workers,
