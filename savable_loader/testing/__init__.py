@@ -15,6 +15,10 @@ after a ``break`` restore to that mid-epoch position.
 :func:`verify` is the same check for a user's factory (of a dataset or of a loader) with
 dense checkpoints, behind ``savable-loader verify MODULE:FACTORY``.
 
+:func:`assert_elastic` checks elastic determinism: the same global batches on every
+layout (ranks x workers x per-rank batch size) of one global batch size, and a state
+saved on one layout continuing that stream on the others.
+
 :func:`assert_cursor_resumes_exactly` is the same check one level down, for a stage and
 its cursors in one process, at every position of a few epochs: what a stage's author
 runs while writing it.
@@ -35,6 +39,7 @@ from __future__ import annotations
 from .cursors import CursorReport, assert_cursor_resumes_exactly
 from .digests import digest
 from .divergence import ResumeMismatch
+from .elastic import ElasticMismatch, ElasticReport, Shape, assert_elastic, split_batch
 from .files import roundtrip
 from .harness import Progress, ResumeReport, assert_resumes_exactly
 from .proxy import FaultProxy, ProxyStats
@@ -42,15 +47,20 @@ from .verification import VerifyReport, verify
 
 __all__ = [
     "CursorReport",
+    "ElasticMismatch",
+    "ElasticReport",
     "FaultProxy",
     "Progress",
     "ProxyStats",
     "ResumeMismatch",
     "ResumeReport",
+    "Shape",
     "VerifyReport",
     "assert_cursor_resumes_exactly",
+    "assert_elastic",
     "assert_resumes_exactly",
     "digest",
     "roundtrip",
+    "split_batch",
     "verify",
 ]
