@@ -190,7 +190,8 @@ def check_compatible(state: RankState, layout: Layout) -> None:
                 f"{current} now; {fix}"
             )
     if not layout.matches(state.fingerprint, state.num_workers):
-        changes = name_changes(state.callables, layout.callables)
+        changes = layout.argument_change(state.fingerprint, state.num_workers)
+        changes = changes or name_changes(state.callables, layout.callables)
         if layout.saved_with_file_split(state.fingerprint, state.num_workers):
             changes = (
                 "the state was saved with file sources that give whole files to streams; "
@@ -210,14 +211,7 @@ def check_compatible(state: RankState, layout: Layout) -> None:
 
 def _context(layout: Layout, worker_id: int) -> WorkerContext:
     """The context of worker ``worker_id`` of ``layout``'s rank."""
-    return WorkerContext(
-        layout.rank,
-        layout.world_size,
-        worker_id,
-        layout.num_workers,
-        layout.seed,
-        layout.batch_size,
-    )
+    return layout.context(worker_id)
 
 
 def check_pipeline_states(state: RankState, layout: Layout) -> None:

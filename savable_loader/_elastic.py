@@ -182,7 +182,7 @@ class _Move:
         saved = states[0]
         target = epoch + 1 if between else epoch
         if problem is None:
-            old = tuple(_old_streams(root, states, exact))
+            old = tuple(_old_streams(layout, states, exact))
             untouched = all(_at_start(root, stream, target) for stream in old)
             return cls(layout, saved, epoch, target, old, _salt(old), untouched, None, target)
         initial = _restarts_from_initial(root)
@@ -200,12 +200,7 @@ class _Move:
     def rank_state(self, rank: int) -> RankState:
         """Rank ``rank``'s state in the new layout."""
         layout, target = self.layout, self.target
-        contexts = [
-            WorkerContext(
-                rank, layout.world_size, w, layout.num_workers, layout.seed, layout.batch_size
-            )
-            for w in range(max(layout.num_workers, 1))
-        ]
+        contexts = [layout.context(w, rank) for w in range(max(layout.num_workers, 1))]
         root = layout.root
         elastic = self.approximated is None
         if not elastic:
@@ -292,14 +287,9 @@ def _check(states: Sequence[RankState], layout: Layout) -> None:
             f"{layout.seed} now; build the loader with seed={first.seed}"
         )
     if not layout.matches(first.fingerprint, first.num_workers, first.batch_size):
-        drop_last = layout.root.drop_last
-        if layout.matches(
-            first.fingerprint, first.num_workers, first.batch_size, drop_last=not drop_last
-        ):
-            raise StateMismatchError(
-                f"cannot restore: drop_last was {not drop_last} when the state was saved and "
-                f"is {drop_last} now; build the loader with drop_last={not drop_last}"
-            )
+        change = layout.argument_change(first.fingerprint, first.num_workers, first.batch_size)
+        if change is not None:
+            raise StateMismatchError(f"cannot restore: {change}")
         raise StateMismatchError(
             "cannot restore: "
             + (
@@ -324,7 +314,7 @@ def _standing(
     """
     epochs = sorted({state.epoch for state in states})
     if len(epochs) == 1:
-        finished = _finished(layout.root, states, epochs[0], exact, strict=False)
+        finished = _finished(layout, states, epochs[0], exact, strict=False)
         return epochs[0], finished or states
     # A rank between epochs e and e + 1 stands where one that began e + 1 started from.
     ahead = [state for state in states if state.epoch == epochs[-1]]
@@ -333,7 +323,7 @@ def _standing(
         and epochs[1] == epochs[0] + 1
         and not any(state.between_epochs for state in ahead)
     ):
-        finished = _finished(layout.root, states, epochs[0], exact, strict=True)
+        finished = _finished(layout, states, epochs[0], exact, strict=True)
         if finished is not None:
             return epochs[1], finished
     raise StateMismatchError(
@@ -357,7 +347,7 @@ def _pipeline_state(state: Any) -> Any:
 
 
 def _finished(
-    root: Stage[Any],
+    layout: Layout,
     states: Sequence[RankState],
     epoch: int,
     exact: dict[tuple[int, int], Any],
@@ -369,7 +359,7 @@ def _finished(
     ``strict``) its pipeline raises producing that batch."""
     finished = []
     for state in states:
-        done = state if state.epoch != epoch else _finish_epoch(root, state, exact, strict=strict)
+        done = state if state.epoch != epoch else _finish_epoch(layout, state, exact, strict=strict)
         if done is None:
             return None
         finished.append(done)
@@ -377,7 +367,7 @@ def _finished(
 
 
 def _finish_epoch(
-    root: Stage[Any], state: RankState, exact: dict[tuple[int, int], Any], *, strict: bool
+    layout: Layout, state: RankState, exact: dict[tuple[int, int], Any], *, strict: bool
 ) -> RankState | None:
     """``state`` once its workers that handed on their last batch of the epoch handed on
     their end too (NOTE [ A rank at its last batch ]); None when one still has a batch.
@@ -389,7 +379,7 @@ def _finish_epoch(
     """
     if state.between_epochs:
         return state
-    spec = _spec(root, state)
+    spec = _spec(layout, state)
     workers = []
     for worker in state.workers:
         if worker.ended:
@@ -428,10 +418,10 @@ def _finish_epoch(
     return state.model_copy(update={"workers": tuple(workers), "next_worker": 0})
 
 
-def _spec(root: Stage[Any], state: RankState) -> RuntimeSpec:
+def _spec(layout: Layout, state: RankState) -> RuntimeSpec:
     """How the workers of ``state`` run again in the main process, to where it stood."""
     return RuntimeSpec(
-        root=root,
+        root=layout.root_for(state.batch_size),
         seed=state.seed,
         rank=state.rank,
         world_size=state.world_size,
@@ -444,16 +434,17 @@ def _spec(root: Stage[Any], state: RankState) -> RuntimeSpec:
             for worker in state.workers
         ),
         epoch=state.epoch,
+        seed_each_item=layout.seed_each_item,
     )
 
 
 def _old_streams(
-    root: Stage[Any], states: Sequence[RankState], exact: dict[tuple[int, int], Any]
+    layout: Layout, states: Sequence[RankState], exact: dict[tuple[int, int], Any]
 ) -> list[OldStream]:
     """Every saved stream at its exact position (NOTE [ One reshard per restore ])."""
     streams = []
     for state in states:
-        spec = _spec(root, state)
+        spec = _spec(layout, state)
         for worker in state.workers:
             context = spec.context(worker.worker_id)
             streams.append(OldStream(context, _exact_state(spec, worker, exact)))

@@ -11,7 +11,7 @@ from torch.utils.data import default_collate, default_convert
 
 from .config import WorkerContext
 from .datasets.batch import Batch
-from .errors import UnsavableDatasetError
+from .errors import ConfigError, UnsavableDatasetError
 from .state.fingerprint import fingerprint
 from .state.names import named, qualified_name
 
@@ -30,6 +30,11 @@ class Layout:
         rank: This loader's rank.
         world_size: Ranks of the job.
         num_workers: Workers per rank.
+        seed_each_item: NOTE [ Items seeded one by one ] in ``rng/keys.py``.
+
+    Raises:
+        ConfigError: With ``seed_each_item``, a stage's items have no place in the global
+            stream to seed them by.
     """
 
     root: Batch
@@ -37,12 +42,30 @@ class Layout:
     rank: int
     world_size: int
     num_workers: int
+    seed_each_item: bool = False
 
     def __post_init__(self) -> None:
-        context = WorkerContext(
-            self.rank, self.world_size, 0, self.num_workers, self.seed, self.batch_size
+        self.root.check_layout(self.context(0))
+        unkeyed = self.root.unkeyed() if self.seed_each_item else None
+        if unkeyed is not None:
+            raise ConfigError(
+                f"seed_each_item=True seeds the global generators by each item's place in "
+                f"the global stream, and the items of {unkeyed} have none (its own "
+                "iterator decides what comes next); pass a map-style dataset or build the "
+                "pipeline from the library's sources, or leave seed_each_item off"
+            )
+
+    def context(self, worker_id: int, rank: int | None = None) -> WorkerContext:
+        """What worker ``worker_id`` of ``rank`` (by default this loader's) is told."""
+        return WorkerContext(
+            self.rank if rank is None else rank,
+            self.world_size,
+            worker_id,
+            self.num_workers,
+            self.seed,
+            self.batch_size,
+            self.seed_each_item,
         )
-        self.root.check_layout(context)
 
     @property
     def batch_size(self) -> int | None:
@@ -54,6 +77,16 @@ class Layout:
         """The fingerprint a state of this loader carries (NOTE [ Pipeline fingerprint ]
         in ``state/fingerprint.py``)."""
         return self.fingerprint_for(self.num_workers)
+
+    def root_for(self, batch_size: int | None) -> Batch:
+        """The pipeline batched by ``batch_size``: what the workers of a state saved with
+        it ran, replayed when the state moves onto this layout."""
+        if batch_size == self.batch_size:
+            return self.root
+        root = self.root
+        return Batch(
+            root.source, batch_size=batch_size, drop_last=root.drop_last, collate_fn=root.collate_fn
+        )
 
     def check_savable(self) -> None:
         """Raises :class:`~savable_loader.UnsavableDatasetError` when a position in the
@@ -94,6 +127,27 @@ class Layout:
             trees.append({**tree, "loader": {**tree["loader"], "collate_fn": name}})
         return any(saved in (fingerprint(t), fingerprint(t, raw_names=True)) for t in trees)
 
+    def argument_change(
+        self, saved: str, num_workers: int, batch_size: int | None = None
+    ) -> str | None:
+        """The message naming the boolean loader argument (``drop_last``,
+        ``seed_each_item``) whose other value makes ``saved`` this pipeline's fingerprint,
+        both values and the fix; None when neither does."""
+        for name, current in (
+            ("drop_last", self.root.drop_last),
+            ("seed_each_item", self.seed_each_item),
+        ):
+            tree = self._tree(num_workers, batch_size)
+            tree["loader"][name] = not current
+            if name == "seed_each_item" and current:
+                del tree["loader"][name]  # named only when set
+            if saved in (fingerprint(tree), fingerprint(tree, raw_names=True)):
+                return (
+                    f"{name} was {not current} when the state was saved and is {current} "
+                    f"now; build the loader with {name}={not current}"
+                )
+        return None
+
     def saved_with_file_split(self, saved: str, num_workers: int) -> bool:
         """Whether ``saved`` is this pipeline's fingerprint with its file sources built
         with ``split="files"`` (NOTE [ Shard listing and assignment ] in
@@ -112,6 +166,8 @@ class Layout:
                 "seed": self.seed,
                 "num_workers": num_workers,
                 "collate_fn": None if collate is None else qualified_name(collate, unnamed="?"),
+                # Named only when set, so states saved before it keep their fingerprint.
+                **({"seed_each_item": True} if self.seed_each_item else {}),
             },
         }
 

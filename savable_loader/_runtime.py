@@ -420,8 +420,12 @@ class PipelineRuntime:
     # -- checkpoints ----------------------------------------------------------------
 
     def _capture(self) -> Entry:
-        snapshot = self.generators.snapshot if self.generators is not None else rng.capture()
         seeded = self._seeded
+        if seeded is not None and self.spec.seed_each_item:
+            # NOTE [ Items seeded one by one ] in rng/keys.py: what the generators hold
+            # between items is never drawn from, so the epoch's seeding stands for them.
+            return Entry(self.seq, plain_copy(self._state()), seeded.snapshot)
+        snapshot = self.generators.snapshot if self.generators is not None else rng.capture()
         if seeded is not None:
             # NOTE [ Untouched generators ] in rng/generators.py: the seeded snapshot stands for an
             # equal capture; the first draw ends the comparisons until the next seeding.

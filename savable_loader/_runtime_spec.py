@@ -63,6 +63,7 @@ class RuntimeSpec:
         dataset: What the user passed as ``dataset=``, an object of the pipeline above;
             pickled with it, so in a worker it is the very object that worker's pipeline
             reads (NOTE [ The worker's dataset ] in ``_torch_compat.py``).
+        seed_each_item: NOTE [ Items seeded one by one ] in ``rng/keys.py``.
     """
 
     root: Stage[Any]
@@ -79,6 +80,7 @@ class RuntimeSpec:
     torch_seeds: bool = False
     fresh_seeds: bool = True
     dataset: Any = None
+    seed_each_item: bool = False
 
     def context(self, worker_id: int) -> WorkerContext:
         """What worker ``worker_id``'s pipeline is told about where it runs."""
@@ -89,6 +91,7 @@ class RuntimeSpec:
             num_workers=self.num_workers,
             seed=self.seed,
             batch_size=self.batch_size,
+            seed_each_item=self.seed_each_item,
         )
 
 

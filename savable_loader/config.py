@@ -102,6 +102,9 @@ class WorkerContext:
         num_workers: Number of workers of the loader (0 without workers).
         seed: The loader seed.
         batch_size: Items per batch (None when the loader does not batch).
+        seed_each_item: The loader's ``seed_each_item``: a source seeds the global
+            generators before it produces each item, from the item's key in the global
+            stream (NOTE [ Items seeded one by one ] in ``rng/keys.py``).
     """
 
     rank: int
@@ -110,6 +113,7 @@ class WorkerContext:
     num_workers: int
     seed: int
     batch_size: int | None
+    seed_each_item: bool = False
 
     @property
     def num_shards(self) -> int:

@@ -80,6 +80,12 @@ class SavableDataLoader(
         in_order: Must be True with workers: out-of-order delivery cannot be resumed.
         seed: Drives the shuffle order and the workers' seeds (with rank and worker id)
             when no ``generator`` is given.
+        seed_each_item: Seed ``random``, ``numpy.random`` and torch's generator before each
+            item from ``seed``, the epoch and the item's place in the global stream, so
+            that a ``__getitem__`` or a map's function that draws from them draws the same
+            on any number of ranks and workers (NOTE [ Items seeded one by one ] in
+            ``rng/keys.py``; about 50 us per item). Needs a pipeline whose items have such
+            a place: a map-style dataset or the library's sources, not your own iterable.
         worker_config: Rank, world size, command timeout, checkpoint policy.
 
     Raises:
@@ -108,6 +114,7 @@ class SavableDataLoader(
         in_order: bool = True,
         seed: int = 0,
         worker_config: WorkerConfig | None = None,
+        seed_each_item: bool = False,
     ) -> None:
         check_arguments(num_workers, timeout, prefetch_factor, persistent_workers, in_order, seed)
         pipeline = build_pipeline(
@@ -143,6 +150,7 @@ class SavableDataLoader(
             max_lag=prefetch * num_workers + 2,
             torch_seeds=generator is not None,
             dataset=dataset,
+            seed_each_item=seed_each_item,
         )
         self._wrapper = WorkerWrapper(self._spec)
         super().__init__(
@@ -177,7 +185,9 @@ class SavableDataLoader(
         if "__dataset" in self.__dict__:  # Lightning's record of the dataset: NOTE above
             object.__setattr__(self, "__dataset", dataset)
         #: What a state is checked against and resharded for (``_compat.py``).
-        self.layout = Layout(root, seed, self.rank, self.world_size, num_workers)
+        self.layout = Layout(
+            root, seed, self.rank, self.world_size, num_workers, seed_each_item=seed_each_item
+        )
         self.fingerprint = self.layout.fingerprint
         self._book = Book.fresh(max(num_workers, 1))
         self._stream: Stream | None = None

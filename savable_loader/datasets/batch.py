@@ -56,6 +56,8 @@ class Batch(Transform[Any]):
         them otherwise. Elastic when its source is.
     """
 
+    keyed = True
+
     def __init__(
         self,
         source: Any,

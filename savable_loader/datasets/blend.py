@@ -88,6 +88,8 @@ class Blend(Stage[T]):
         generator state is saved; restore restores each source and replays nothing.
     """
 
+    keyed = True
+
     elastic_reason = (
         "its generator chose which source each of a worker's items came from, and that "
         "sequence cannot be split over other workers"

@@ -35,6 +35,8 @@ class Filter(Transform[T]):
         when its source is (NOTE [ Elastic resume ]).
     """
 
+    keyed = True
+
     bounded_by_parent = True
 
     def __init__(self, source: Any, predicate: Callable[[T], bool]) -> None:

@@ -74,7 +74,7 @@ import numpy as np
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
-from ..rng import Purpose, seed_for
+from ..rng import Purpose, seed_for, seed_item
 from ..state.names import qualified_name
 from . import indexed_rest
 from .cursor import Cursor
@@ -143,6 +143,8 @@ class IndexedDataset(Stage[T]):
         generators advance exactly as they would. Nothing is replayed beyond what the
         loader asks.
     """
+
+    keyed = True
 
     def __init__(
         self,
@@ -281,6 +283,9 @@ class IndexedCursor(Cursor[T]):
         self._block: tuple[int, int, np.ndarray] = (-1, -1, np.empty(0, dtype=np.int64))
         #: ``(epoch, pos, done)`` of the item ``next()`` last returned (:meth:`item_key`).
         self._last: tuple[int, int, tuple[int, np.ndarray] | None] | None = None
+        #: Seed the global generators before each ``data[i]``: a source that reads its own
+        #: items draws nothing (NOTE [ Items seeded one by one ] in ``rng/keys.py``).
+        self.seeds_items = context.seed_each_item and type(self).item is IndexedCursor.item
 
     def _named(self, length: int) -> int | None:
         return None if length == len(self.stage.data) else length
@@ -309,6 +314,8 @@ class IndexedCursor(Cursor[T]):
         index = self.index(pos)
         self.pos = pos + 1
         self._last = (self.epoch, pos, self.done)
+        if self.seeds_items:
+            self._seed(pos)
         return self.item(index)
 
     def item_key(self) -> tuple[int, ...] | None:
@@ -317,13 +324,31 @@ class IndexedCursor(Cursor[T]):
         if self._last is None:
             return None
         epoch, pos, done = self._last
-        return (epoch, int(self.positions(pos, pos + 1, done)[0]))
+        return (epoch, self._position(pos, done))
+
+    def _position(self, pos: int, done: tuple[int, np.ndarray] | None) -> int:
+        """The epoch's position at ``pos`` of this worker's shard."""
+        if done is None:
+            return int(global_position(pos, self.context))
+        return int(self.positions(pos, pos + 1, done)[0])
+
+    def _seed(self, pos: int) -> None:
+        """Seeds the global generators for the item at ``pos`` (NOTE [ Items seeded one
+        by one ] in ``rng/keys.py``)."""
+        position = self._position(pos, self.done)
+        seed_item(Purpose.ITEM_GLOBALS, self.context.seed, self.epoch, position)
 
     def take(self, n: int) -> list[T]:
         pos = self.pos
         stop = min(pos + n, self.shard_length)
         self.pos = stop  # before the reads: NOTE [ Going on after an error ]
-        items = [self.item(index) for index in self._cached(pos, stop)]
+        if self.seeds_items:
+            items = []
+            for at, index in enumerate(self._cached(pos, stop), start=pos):
+                self._seed(at)
+                items.append(self.item(index))
+        else:
+            items = [self.item(index) for index in self._cached(pos, stop)]
         if stop - pos < n:
             self.end_epoch()
         return items
@@ -335,6 +360,8 @@ class IndexedCursor(Cursor[T]):
         pos = self.pos
         stop = min(pos + n, self.shard_length)
         self.pos = stop
+        if self.seeds_items and stop > pos:
+            self._seed(pos)  # one call reads the batch: seeded by its first item
         items = read_batch(self.stage.data, self._cached(pos, stop)) if stop > pos else []
         if stop - pos < n:
             self.end_epoch()
@@ -343,7 +370,7 @@ class IndexedCursor(Cursor[T]):
     def skip_batches(self, batches: int, size: int) -> int:
         """Reads the batches again when they are read at once and may draw (NOTE [ A
         batch read at once ])."""
-        if self._getitems() is None or self.stage.deterministic_items:
+        if self._getitems() is None or self.draws_nothing:
             return self.skip(batches * size)
         passed = 0
         for _ in range(batches):
@@ -352,6 +379,13 @@ class IndexedCursor(Cursor[T]):
             if got < size:
                 break
         return passed
+
+    @property
+    def draws_nothing(self) -> bool:
+        """Whether passing an item without reading it leaves the global generators as
+        reading it would for what follows: declared ``deterministic_items``, or items
+        seeded one by one (each reseeds before it draws)."""
+        return self.stage.deterministic_items or self.seeds_items
 
     def goes_on_after_error(self) -> bool:
         """Reading ``data[i]`` of a map-style dataset moves past the indices first
@@ -410,7 +444,7 @@ class IndexedCursor(Cursor[T]):
     def skip_fast(self, n: int) -> int:
         length = self.shard_length
         stop = min(self.pos + n, length)
-        if not self.stage.deterministic_items:
+        if not self.draws_nothing:
             for pos in range(self.pos, stop):
                 self.item(self.index(pos))
         passed, self.pos = stop - self.pos, stop

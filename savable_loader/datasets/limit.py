@@ -72,6 +72,8 @@ class Limit(Transform[T]):
         ``quota``, this stream's limit for the rest of it (NOTE [ Elastic limit ]).
     """
 
+    keyed = True
+
     def __init__(self, source: Any, n: int) -> None:
         super().__init__(source)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:

@@ -24,7 +24,8 @@ from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError
-from ..rng import Purpose, generator_for
+from ..rng import Purpose, generator_for, seed_item
+from ..state.fingerprint import fingerprint
 from ..state.names import qualified_name
 from .cursor import Cursor, StageState, TransformCursor
 from .elastic import ReshardPlan
@@ -59,6 +60,8 @@ class Map(Transform[U]):
         positions plus a ``salt`` drawn from the saved states (so no draw of the saved run
         repeats) for the rest of the epoch, and as a fresh run on that layout after it.
     """
+
+    keyed = True
 
     bounded_by_parent = True
 
@@ -103,12 +106,31 @@ class _MapCursor(TransformCursor[U]):
     def __init__(self, stage: Map[U], parent: Cursor[Any], context: WorkerContext) -> None:
         super().__init__(parent, context)
         self.fn = stage.fn
+        #: NOTE [ Items seeded one by one ] in ``rng/keys.py``: this map's part of the key.
+        self.stage_key = _stage_key(stage) if context.seed_each_item else None
 
     def __next__(self) -> U:
-        return self.fn(next(self.parent))
+        item = next(self.parent)
+        if self.stage_key is not None:
+            _seed_item(self, self.stage_key)
+        return self.fn(item)
 
     def end_epoch(self) -> None:
         self.parent.end_epoch()
+
+
+def _stage_key(stage: Map[Any]) -> int:
+    """A number that tells this map from the others of the pipeline: its config's hash
+    (which holds its function's name and everything below it)."""
+    return int(fingerprint(stage.config()), 16) >> 1
+
+
+def _seed_item(cursor: Cursor[Any], stage_key: int) -> None:
+    """Seeds the global generators for the item the map's parent just returned."""
+    key = cursor.parent.item_key()
+    if key is None:  # the loader refuses seed_each_item over items without keys
+        raise ConfigError("seed_each_item: an item came without its key; please report")
+    seed_item(Purpose.MAP_GLOBALS, cursor.context.seed, stage_key, *key)
 
 
 class _Position(StageState):
@@ -133,6 +155,7 @@ class _SeededMapCursor(TransformCursor[U]):
         self.epoch = 0
         self.position = 0
         self.salt: int | None = None
+        self.stage_key = _stage_key(stage) if context.seed_each_item else None
 
     def __next__(self) -> U:
         try:
@@ -140,6 +163,8 @@ class _SeededMapCursor(TransformCursor[U]):
         except StopIteration:
             self.epoch, self.position, self.salt = self.epoch + 1, 0, None
             raise
+        if self.stage_key is not None:
+            _seed_item(self, self.stage_key)
         key = self.parent.item_key()
         if key is not None:
             rng = generator_for(Purpose.MAP_ITEM, self.seed, *key)

@@ -65,6 +65,8 @@ class Repeat(Transform[T]):
         (NOTE [ Skipping a repeat ]).
     """
 
+    keyed = True
+
     elastic_reason = "its passes count one worker's passes over its own shard"
     elastic_fix = (
         "restore on the number of workers and ranks it was saved with, or pass "

@@ -115,6 +115,8 @@ class ShardedSource(FileAccess, Stage[T]):
         StorageError: Listing the files failed.
     """
 
+    keyed = True
+
     #: The state's names for a position inside a file, ``offset`` first.
     position_fields: ClassVar[tuple[str, ...]] = ("offset",)
     #: The model of the state (subclasses add the fields after ``offset``).

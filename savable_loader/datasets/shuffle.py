@@ -84,6 +84,8 @@ class Shuffle(Transform[T]):
         [ Shuffle restore point ]). No fast skip.
     """
 
+    keyed = True
+
     elastic_reason = (
         "its buffer holds items one worker read, and its generator continues that worker's "
         "draws, so they cannot be split over other workers"

@@ -94,6 +94,9 @@ class Stage(IterableDataset[T], abc.ABC):
         "restore on the number of workers and ranks it was saved with, or pass "
         "approximate=True to restart the interrupted epoch on the new layout"
     )
+    #: A source whose items have a key in the global stream, or a transform that hands on
+    #: its parents' items' keys (NOTE [ The cursor contract ] in ``cursor.py``).
+    keyed: ClassVar[bool] = False
 
     @abc.abstractmethod
     def cursor(self, context: WorkerContext) -> Cursor[T]:
@@ -201,6 +204,17 @@ class Stage(IterableDataset[T], abc.ABC):
             return NotElastic(self.describe(), self.elastic_reason, self.elastic_fix)
         for child in self.children:
             problem = child.not_elastic()
+            if problem is not None:
+                return problem
+        return None
+
+    def unkeyed(self) -> str | None:
+        """The description of a stage whose items have no key in the global stream (NOTE
+        [ The cursor contract ] in ``cursor.py``), or None when every item has one."""
+        if not self.keyed:
+            return self.describe()
+        for child in self.children:
+            problem = child.unkeyed()
             if problem is not None:
                 return problem
         return None

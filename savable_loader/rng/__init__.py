@@ -18,7 +18,7 @@ from .generators import (
     seeded_epoch_of,
     seeded_for,
 )
-from .keys import Purpose, derive_seed, generator_for, seed_for
+from .keys import Purpose, derive_seed, generator_for, seed_for, seed_item
 
 __all__ = [
     "OwnGenerators",
@@ -33,6 +33,7 @@ __all__ = [
     "generator_for",
     "seed_for",
     "seed_globals",
+    "seed_item",
     "seeded_epoch_of",
     "seeded_for",
 ]

@@ -124,8 +124,12 @@ def split_batch(batch: Any, size: int | None = None) -> list[Any]:
 
 
 def _is_field(value: Any, size: int | None) -> bool:
+    """Whether ``value`` is one field of a collated batch: a tensor or array of the batch's
+    items, a dict of such, or a list or tuple of such (a tuple item's fields)."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return value.ndim > 0 and (size is None or len(value) == size)
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_is_field(element, size) for element in value)
     return isinstance(value, Mapping)
 
 
