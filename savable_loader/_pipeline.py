@@ -16,6 +16,7 @@ from .config import WorkerContext
 from .datasets.adapt import as_stage
 from .datasets.batch import Batch
 from .datasets.datapipes import is_datapipe
+from .datasets.global_view import global_view
 from .datasets.indexed import IndexedDataset
 from .datasets.sampled import SampledDataset
 from .datasets.stage import Stage
@@ -193,7 +194,9 @@ def build_pipeline(
         # Torch's default passed explicitly (as code that rebuilds a loader from its
         # attributes passes it) is the default: the same fingerprint (``Layout.matches``).
         collate_fn = None if collate_fn is _default_collate(batch_size) else collate_fn
-        root = Batch(source, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn)
+        # NOTE [ Pipelines read by position ] in datasets/global_view.py.
+        viewed = global_view(source)
+        root = Batch(viewed, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn)
         planner = None
         if generator is not None:
             planner = EpochPlanner(

@@ -68,7 +68,7 @@ saved it read; the states saved in the rest of that epoch keep not naming it.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -195,6 +195,11 @@ class IndexedDataset(Stage[T]):
     def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
         return reshard_indexed(self, plan)
 
+    def access(self, context: WorkerContext) -> _Access[T] | None:
+        """Items by position (NOTE [ Pipelines read by position ] in ``global_view.py``);
+        a source that reads its items otherwise (tokens, tables) has none."""
+        return _Access(self, context) if type(self) is IndexedDataset else None
+
     def check_layout(self, context: WorkerContext) -> None:
         """Refuses a layout on which a rank would read nothing of a dataset that has
         items. An empty dataset reads as torch's ``DataLoader`` reads it: no batches.
@@ -235,6 +240,36 @@ class IndexedDataset(Stage[T]):
     def __len__(self) -> int:
         """Items in an epoch (of every rank and worker together, on one rank)."""
         return len(self.data)
+
+
+class _Access(Generic[T]):
+    """An :class:`IndexedDataset`'s items by position of an epoch."""
+
+    def __init__(self, stage: IndexedDataset[T], context: WorkerContext) -> None:
+        self.stage = stage
+        self.seeds_items = context.seed_each_item
+        self.seed = context.seed
+        self._order: tuple[int, Any] = (-1, None)
+
+    def length(self) -> int:
+        return len(self.stage.data)
+
+    def get(self, epoch: int, position: int) -> T:
+        index = position
+        if self.stage.shuffled:
+            cached, permutation = self._order
+            if cached != epoch:
+                key = seed_for(Purpose.PERMUTATION, self.stage.seed, epoch)
+                permutation = KeyedPermutation(len(self.stage.data), key)
+                self._order = (epoch, permutation)
+            index = int(permutation(position))
+        if self.seeds_items:
+            seed_item(Purpose.ITEM_GLOBALS, self.seed, epoch, position)
+        return self.stage.data[index]
+
+    def key(self, epoch: int, position: int) -> tuple[int, ...]:
+        """The item's key in the global stream: as :meth:`IndexedCursor.item_key`."""
+        return (epoch, position)
 
 
 def read_batch(data: Any, indices: list[Any]) -> list[Any]:

@@ -18,7 +18,7 @@ loader captures those in its checkpoints, or seeds them per item (``seed_each_it
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import Field
 
@@ -94,6 +94,12 @@ class Map(Transform[U]):
             return parent
         return {**parent, "epoch": plan.epoch, "position": 0, "salt": plan.salt}
 
+    def access(self, context: WorkerContext) -> _Access[U] | None:
+        """Items by position when the source has them (NOTE [ Pipelines read by
+        position ] in ``global_view.py``), with the same generators as a cursor's."""
+        parent = self.source.access(context)
+        return None if parent is None else _Access(self, parent, context)
+
     def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[U]:
         if self.seed is None:
             return _MapCursor(self, parent, context)
@@ -117,6 +123,35 @@ class _MapCursor(TransformCursor[U]):
 
     def end_epoch(self) -> None:
         self.parent.end_epoch()
+
+
+class _Access(Generic[U]):
+    """A map's items by position: its function on its source's item, with the item's
+    generator (NOTE [ Per-item generators ])."""
+
+    def __init__(self, stage: Map[U], parent: Any, context: WorkerContext) -> None:
+        self.fn, self.seed, self.parent = stage.fn, stage.seed, parent
+        self.stage_key = _stage_key(stage) if context.seed_each_item else None
+        self.loader_seed = context.seed
+
+    def length(self) -> int:
+        length: int = self.parent.length()
+        return length
+
+    def key(self, epoch: int, position: int) -> tuple[int, ...]:
+        key: tuple[int, ...] = self.parent.key(epoch, position)
+        return key
+
+    def get(self, epoch: int, position: int) -> U:
+        item = self.parent.get(epoch, position)
+        if self.stage_key is None and self.seed is None:
+            return self.fn(item)
+        key = self.key(epoch, position)
+        if self.stage_key is not None:
+            seed_item(Purpose.MAP_GLOBALS, self.loader_seed, self.stage_key, *key)
+        if self.seed is None:
+            return self.fn(item)
+        return self.fn(item, generator_for(Purpose.MAP_ITEM, self.seed, *key))
 
 
 def _stage_key(stage: Map[Any]) -> int:

@@ -8,6 +8,15 @@ shuffle's epoch. An item therefore moves only within its window: a shuffle quali
 grows with ``buffer_size``, as with Grain's window shuffle (a sliding shuffle buffer
 mixes further but must save its buffered samples or drop them on resume).
 
+NOTE [ Window shuffle by position ]
+When the whole pipeline can be read by position (NOTE [ Pipelines read by position ] in
+``global_view.py``), the windows are over the epoch's positions instead of a stream's
+items: window ``w`` holds positions ``[w B, (w + 1) B)`` of the source's epoch (``B`` the
+buffer size, the last window shorter), emitted in a permutation drawn from ``(seed,
+epoch, w)``. Nothing depends on which rank or worker reads a position, so every layout
+gets the same global batches and a restore onto another layout goes on with them; the
+state is the view's position, with no restore point and no generators.
+
 NOTE [ Shuffle restore point ]
 The state is the parent's state when the current window was read (the restore point),
 the global generators' states at that moment, the window index and how many of its items
@@ -28,7 +37,7 @@ them for an epoch (nothing drew from them): the state then names that epoch
 from __future__ import annotations
 
 import copy
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from pydantic import Field
 
@@ -119,6 +128,13 @@ class Shuffle(Transform[T]):
     def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[T]:
         return _ShuffleCursor(self, parent, context)
 
+    def access(self, context: WorkerContext) -> _Windows[T] | None:
+        """Items by position when the source has them: windows of ``buffer_size``
+        consecutive positions of the epoch, each in its own order (NOTE [ Window shuffle
+        by position ])."""
+        parent = self.source.access(context)
+        return None if parent is None else _Windows(self, parent)
+
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         """What the parent has left from the restore point, less the items of its window
         already emitted (NOTE [ Checking a replay ] in ``_compat.py``): every item the
@@ -128,6 +144,36 @@ class Shuffle(Transform[T]):
         own = validate_state(_State, {k: v for k, v in state.items() if k != "parent"}, "Shuffle")
         parent = self.source.items_left(state["parent"], context)
         return None if parent is None else max(0, parent - own.emitted)
+
+
+class _Windows(Generic[T]):
+    """A window shuffle's items by position (NOTE [ Window shuffle by position ])."""
+
+    def __init__(self, stage: Shuffle[T], parent: Any) -> None:
+        self.size, self.seed, self.parent = stage.buffer_size, stage.seed, parent
+        self._order: tuple[int, int, list[int]] = (-1, -1, [])
+
+    def length(self) -> int:
+        length: int = self.parent.length()
+        return length
+
+    def _source(self, epoch: int, position: int) -> int:
+        window, offset = divmod(position, self.size)
+        cached_epoch, cached, order = self._order
+        if (cached_epoch, cached) != (epoch, window):
+            items = min(self.size, self.length() - window * self.size)
+            generator = rng.generator_for(rng.Purpose.WINDOW_POSITIONS, self.seed, epoch, window)
+            order = generator.permutation(items).tolist()
+            self._order = (epoch, window, order)
+        return window * self.size + order[offset]
+
+    def key(self, epoch: int, position: int) -> tuple[int, ...]:
+        key: tuple[int, ...] = self.parent.key(epoch, self._source(epoch, position))
+        return key
+
+    def get(self, epoch: int, position: int) -> T:
+        item: T = self.parent.get(epoch, self._source(epoch, position))
+        return item
 
 
 class _ShuffleCursor(TransformCursor[T]):

@@ -208,6 +208,12 @@ class Stage(IterableDataset[T], abc.ABC):
                 return problem
         return None
 
+    def access(self, context: WorkerContext) -> Any:
+        """This stage's items by position (an ``Access``, NOTE [ Pipelines read by
+        position ] in ``global_view.py``) for ``context``'s process, or None (the
+        default) when it reads only as a stream."""
+        return None
+
     def unkeyed(self) -> str | None:
         """The description of a stage whose items have no key in the global stream (NOTE
         [ The cursor contract ] in ``cursor.py``), or None when every item has one."""

@@ -69,6 +69,8 @@ class Purpose(enum.IntEnum):
     STATEFUL_STREAM = 0x57A7E
     #: A window shuffle's order of one window: keys (rank, worker, epoch, window).
     WINDOW = 0x5F1
+    #: A window shuffle's order of one window of positions: keys (epoch, window).
+    WINDOW_POSITIONS = 0x5F2
     #: A blend's draws, a block of positions at a time: keys (rank, worker, epoch, block).
     BLEND_DRAW = 0xB1E
     #: A seeded map's generator for an item without a global key: keys (rank, worker,

@@ -35,6 +35,8 @@ __all__ = ["ElasticMismatch", "ElasticReport", "Shape", "assert_elastic", "split
 Build = Callable[[int, int, int, int], SavableDataLoader[Any]]
 #: The global batches of a run: per epoch, per step, the items' digests, sorted.
 Steps = list[list[tuple[str, ...]]]
+#: Splits a batch into its items.
+Items = Callable[[Any], list[Any]]
 
 
 @dataclass(frozen=True)
@@ -102,46 +104,51 @@ class ElasticReport:
     restores: int
 
 
-def split_batch(batch: Any, size: int | None = None) -> list[Any]:
-    """The items of a collated batch: tensors and arrays along their first dimension,
-    dicts key by key, tuples and lists of fields field by field; a list whose elements
-    are not all fields of ``size`` items is a list of items."""
+def split_batch(batch: Any) -> list[Any]:
+    """The items of a batch ``default_collate`` made: tensors and arrays along their first
+    dimension, dicts key by key, a list or tuple whose elements are all such fields of one
+    length field by field; any other list is a list of items (``collate_fn=list``). A list
+    of tensors of one length is read as fields: pass ``items=list`` to
+    :func:`assert_elastic` when your batches are lists of such items."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return list(batch)
     if isinstance(batch, Mapping):
-        columns = {key: split_batch(value, size) for key, value in batch.items()}
+        columns = {key: split_batch(value) for key, value in batch.items()}
         counts = {len(column) for column in columns.values()}
         if len(counts) != 1:
             raise ValueError("a dict batch whose fields hold different numbers of items")
         (count,) = counts
         return [{key: column[i] for key, column in columns.items()} for i in range(count)]
     if isinstance(batch, (list, tuple)):
-        if batch and all(_is_field(field, size) for field in batch):
-            columns_ = [split_batch(field, size) for field in batch]
-            return [type(batch)(column[i] for column in columns_) for i in range(len(columns_[0]))]
+        if batch and all(_is_field(field) for field in batch):
+            columns_ = [split_batch(field) for field in batch]
+            if len({len(column) for column in columns_}) == 1:
+                count = len(columns_[0])
+                return [type(batch)(column[i] for column in columns_) for i in range(count)]
         return list(batch)
     raise ValueError(f"cannot split a batch of type {type(batch).__name__} into items")
 
 
-def _is_field(value: Any, size: int | None) -> bool:
+def _is_field(value: Any) -> bool:
     """Whether ``value`` is one field of a collated batch: a tensor or array of the batch's
     items, a dict of such, or a list or tuple of such (a tuple item's fields)."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
-        return value.ndim > 0 and (size is None or len(value) == size)
+        return value.ndim > 0
     if isinstance(value, (list, tuple)):
-        return bool(value) and all(_is_field(element, size) for element in value)
+        return bool(value) and all(_is_field(element) for element in value)
     return isinstance(value, Mapping)
 
 
-def _step_items(batches: Sequence[Any], size: int) -> tuple[str, ...]:
-    return tuple(sorted(digest(item) for batch in batches for item in split_batch(batch, size)))
+def _step_items(batches: Sequence[Any], items: Items) -> tuple[str, ...]:
+    return tuple(sorted(digest(item) for batch in batches for item in items(batch)))
 
 
 class _Job:
     """The loaders of every rank of one layout, stepped together."""
 
-    def __init__(self, build: Build, shape: Shape) -> None:
+    def __init__(self, build: Build, shape: Shape, items: Items) -> None:
         self.shape = shape
+        self.items = items
         self.loaders = [
             build(rank, shape.ranks, shape.num_workers, shape.batch_size)
             for rank in range(shape.ranks)
@@ -173,7 +180,7 @@ class _Job:
                 )
             self._iterators = None
             return None
-        return _step_items(batches, self.shape.batch_size)
+        return _step_items(batches, self.items)
 
     def epoch(self) -> list[tuple[str, ...]]:
         steps = []
@@ -214,8 +221,8 @@ def _compare(
         )
 
 
-def _run(build: Build, shape: Shape, epochs: int) -> Steps:
-    job = _Job(build, shape)
+def _run(build: Build, shape: Shape, epochs: int, items: Items) -> Steps:
+    job = _Job(build, shape, items)
     try:
         return [job.epoch() for _ in range(epochs)]
     finally:
@@ -229,6 +236,7 @@ def assert_elastic(
     epochs: int = 2,
     save_steps: Sequence[int] | None = None,
     chains: bool = True,
+    items: Items = split_batch,
 ) -> ElasticReport:
     """Asserts that every layout gives the same global batches, and that a state saved
     on one continues the same global stream on every other.
@@ -245,6 +253,7 @@ def assert_elastic(
             the first step of the second epoch.
         chains: Also restore each save onto the second layout, take one more step, save
             there and restore onto the last layout.
+        items: Splits a batch into its items (:func:`split_batch` by default).
 
     Raises:
         ElasticMismatch: A layout's global batch differs from the reference's.
@@ -256,9 +265,9 @@ def assert_elastic(
             "assert_elastic compares layouts of one global batch size (ranks x batch_size); "
             f"got {[str(shape) for shape in shapes]}"
         )
-    reference = _run(build, shapes[0], epochs)
+    reference = _run(build, shapes[0], epochs, items)
     for shape in shapes[1:]:
-        got = _run(build, shape, epochs)
+        got = _run(build, shape, epochs, items)
         for epoch, (mine, theirs) in enumerate(zip(got, reference, strict=True)):
             _compare(mine, theirs, shape, shapes[0], epoch)
     flat = [(epoch, step) for epoch, steps in enumerate(reference) for step in range(len(steps))]
@@ -269,26 +278,28 @@ def assert_elastic(
     for save in save_steps:
         if not 0 <= save < len(flat) - 1:
             continue
-        states = _states_after(build, shapes[0], save + 1)
+        states = _states_after(build, shapes[0], save + 1, items)
         epoch, step = flat[save]
         label = f"{shapes[0]} after epoch {epoch} step {step}"
         for shape in shapes[1:]:
-            _check_continuation(build, shape, states, reference, flat, save + 1, shapes[0], label)
+            _check_continuation(
+                build, shape, states, reference, flat, save + 1, shapes[0], label, items
+            )
             restores += 1
         if chains and len(shapes) > 2 and save + 2 < len(flat):
-            states = _restore_step_save(build, shapes[1], states)
+            states = _restore_step_save(build, shapes[1], states, items)
             epoch, step = flat[save + 1]
             label = f"{shapes[1]} after epoch {epoch} step {step} (restored from {label})"
             _check_continuation(
-                build, shapes[-1], states, reference, flat, save + 2, shapes[0], label
+                build, shapes[-1], states, reference, flat, save + 2, shapes[0], label, items
             )
             restores += 2
     return ElasticReport(shapes, tuple(len(steps) for steps in reference), restores)
 
 
-def _states_after(build: Build, shape: Shape, steps: int) -> list[RankState]:
+def _states_after(build: Build, shape: Shape, steps: int, items: Items) -> list[RankState]:
     """Every rank's state after ``steps`` global steps (epoch ends are not steps)."""
-    job = _Job(build, shape)
+    job = _Job(build, shape, items)
     try:
         taken = 0
         while taken < steps:
@@ -299,8 +310,10 @@ def _states_after(build: Build, shape: Shape, steps: int) -> list[RankState]:
         job.close()
 
 
-def _restore_step_save(build: Build, shape: Shape, states: list[RankState]) -> list[RankState]:
-    job = _Job(build, shape)
+def _restore_step_save(
+    build: Build, shape: Shape, states: list[RankState], items: Items
+) -> list[RankState]:
+    job = _Job(build, shape, items)
     try:
         job.restore(states)
         while job.step() is None:
@@ -319,10 +332,11 @@ def _check_continuation(
     start: int,
     reference_shape: Shape,
     label: str,
+    items: Items,
 ) -> None:
     """Restores ``states`` onto ``shape`` and compares what follows with the reference
     from global step ``start`` on, through the last epoch."""
-    job = _Job(build, shape)
+    job = _Job(build, shape, items)
     try:
         job.restore(states)
         epoch, step = flat[start]

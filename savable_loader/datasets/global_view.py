@@ -1,0 +1,228 @@
+"""A pipeline read by global position: the same global batches on every layout.
+
+NOTE [ Pipelines read by position ]
+A stage whose position in a stream depends on what that stream read (a window shuffle
+reads a window of its own stream's items) gives each layout other global batches. When
+every stage of a pipeline can produce the item at any position of an epoch (its
+:class:`Access`: a map-style source, a map, a window shuffle over positions, a repeat
+of a known number of passes), the loader reads the pipeline as one indexed source over
+those positions (:class:`GlobalView`): position ``p`` of epoch ``e`` is ``get(e, p)``,
+and the positions are shared out over ranks and workers exactly as an
+``IndexedDataset``'s (NOTE [ Indexed order and sharding ] in ``indexed.py``). The global
+batch of step ``j`` then holds positions ``[j G, (j + 1) G)`` of the epoch whatever the
+layout, a state is the view's two integers, and a restore onto another layout (another
+number of ranks, workers or another per-rank batch size) continues the same positions
+(NOTE [ Elastic indexed order ]).
+
+The view is taken only where a stage's stream reading depends on the layout (a
+``Shuffle``); a pipeline without one reads as before, its global batches already the same
+on every layout. A state saved by a version that read such a pipeline stream by stream
+(its state nests the stages' parts) is continued by that reading, for the rest of the
+run (``FRESH`` off reads fresh runs that way too, as those versions did).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar
+
+from ..config import WorkerContext
+from ..errors import StateError
+from .cursor import Cursor
+from .elastic import ReshardPlan
+from .indexed import IndexedCursor, IndexedDataset
+from .stage import Stage
+
+__all__ = ["FRESH", "Access", "GlobalView", "global_view"]
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+#: Fresh runs read a pipeline with a window shuffle by position (see the NOTE above);
+#: off, stream by stream as versions before it did (for their states' tests).
+FRESH = True
+
+
+class Access(Protocol[T_co]):
+    """A stage's items by position (NOTE [ Pipelines read by position ])."""
+
+    def length(self) -> int:
+        """Items in every epoch."""
+        ...
+
+    def get(self, epoch: int, position: int) -> T_co:
+        """The item at ``position`` (below :meth:`length`) of ``epoch``."""
+        ...
+
+    def key(self, epoch: int, position: int) -> tuple[int, ...]:
+        """That item's key in the global stream (NOTE [ Keys of the global stream ] in
+        ``rng/keys.py``)."""
+        ...
+
+
+def global_view(stage: Stage[T]) -> Stage[T]:
+    """``stage`` read by position when its stream reading depends on the layout and every
+    stage of it has an :class:`Access`; else ``stage`` itself."""
+    if not FRESH or not _reads_by_stream(stage):
+        return stage
+    probe = WorkerContext(0, 1, 0, 0, 0, None)
+    if stage.access(probe) is None:
+        return stage
+    return GlobalView(stage)
+
+
+def _reads_by_stream(stage: Stage[Any]) -> bool:
+    if type(stage).__name__ == "Shuffle":
+        return True
+    return any(_reads_by_stream(child) for child in stage.children)
+
+
+class _Positions:
+    """The view's ``data``: its length; items are read through the access instead."""
+
+    def __init__(self, length: int) -> None:
+        self.n = length
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, position: int) -> int:
+        return position
+
+
+class GlobalView(IndexedDataset[T]):
+    """Reads ``pipeline`` by position (NOTE [ Pipelines read by position ]).
+
+    Its ``config()`` is the pipeline's, so a state keeps its fingerprint; its state is an
+    ``IndexedDataset``'s over the pipeline's positions.
+
+    Args:
+        pipeline: A stage with an :class:`Access`.
+    """
+
+    def __init__(self, pipeline: Stage[T]) -> None:
+        access = pipeline.access(WorkerContext(0, 1, 0, 0, 0, None))
+        if access is None:
+            raise StateError(f"{pipeline.describe()} cannot be read by position; please report")
+        super().__init__(_Positions(access.length()), even=_even(pipeline))  # type: ignore[arg-type]
+        self.pipeline = pipeline
+
+    def config(self) -> dict[str, Any]:
+        return self.pipeline.config()
+
+    def describe(self) -> str:
+        return self.pipeline.describe()
+
+    # The view's cursor is not an IndexedCursor: it may continue a state saved stream by
+    # stream with the pipeline's own cursors.
+    def cursor(self, context: WorkerContext) -> Cursor[T]:  # type: ignore[override]
+        return _ViewCursor(self, context, checking=False)
+
+    def checking_cursor(self, context: WorkerContext) -> Cursor[T]:  # type: ignore[override]
+        return _ViewCursor(self, context, checking=True)
+
+    def items_left(self, state: Any, context: WorkerContext) -> int | None:
+        if _by_stream(state):
+            return self.pipeline.items_left(state, context)
+        cursor = _ByPosition(self, context)
+        cursor.restore(state)
+        return cursor.shard_length - cursor.pos
+
+    def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
+        if any(_by_stream(stream.state) for stream in plan.old):
+            raise StateError(
+                f"{self.describe()}: the state was saved by a version that read this "
+                "pipeline stream by stream, which cannot move to another layout; restore it "
+                "on the number of workers and ranks it was saved with"
+            )
+        return super().reshard(plan)
+
+
+def _even(pipeline: Stage[Any]) -> Any:
+    """The ``even`` of the pipeline's indexed source (all of them agree: one source)."""
+    if isinstance(pipeline, IndexedDataset):
+        return pipeline.even
+    for child in pipeline.children:
+        return _even(child)
+    return "pad"
+
+
+def _by_stream(state: Any) -> bool:
+    """Whether ``state`` nests the stages' parts: saved by a stream-by-stream reading."""
+    return isinstance(state, dict) and ("parent" in state or "sources" in state)
+
+
+class _ByPosition(IndexedCursor[T]):
+    """The view's positions, each item read through the pipeline's access."""
+
+    def __init__(self, stage: GlobalView[T], context: WorkerContext) -> None:
+        super().__init__(stage, context)
+        access = stage.pipeline.access(context)
+        assert access is not None  # GlobalView checked it
+        self.access = access
+
+    def item(self, index: int) -> T:
+        item: T = self.access.get(self.epoch, index)
+        return item
+
+    def goes_on_after_error(self) -> bool:
+        """The position moves past an item before it is read, as a map-style dataset's."""
+        return True
+
+
+class _ViewCursor(Cursor[T]):
+    """Reads the view by position, or continues a state saved stream by stream with the
+    pipeline's own cursors (NOTE [ Pipelines read by position ])."""
+
+    stage_name = "GlobalView"
+
+    def __init__(self, stage: GlobalView[T], context: WorkerContext, *, checking: bool) -> None:
+        super().__init__(context)
+        self.stage = stage
+        self.checking = checking
+        self.inner: Cursor[T] = _ByPosition(stage, context)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def __next__(self) -> T:
+        return next(self.inner)
+
+    def own_state(self) -> Any:
+        return self.inner.state()
+
+    def restore_own(self, state: Any | None) -> None:
+        if _by_stream(state):
+            pipeline = self.stage.pipeline
+            inner = pipeline.checking_cursor(self.context) if self.checking else None
+            if inner is None and self.checking:
+                return  # only the pipeline's own cursors read such a state
+            self.inner = inner or pipeline.cursor(self.context)
+        elif not isinstance(self.inner, _ByPosition):
+            self.inner.close()
+            self.inner = _ByPosition(self.stage, self.context)
+        self.inner.restore(state)
+
+    def skip_fast(self, n: int) -> int:
+        return self.inner.skip(n)
+
+    def take(self, n: int) -> list[T]:
+        return self.inner.take(n)
+
+    def take_batch(self, n: int) -> list[T]:
+        return self.inner.take_batch(n)
+
+    def skip_batches(self, batches: int, size: int) -> int:
+        return self.inner.skip_batches(batches, size)
+
+    def goes_on_after_error(self) -> bool:
+        return self.inner.goes_on_after_error()
+
+    def end_epoch(self) -> None:
+        self.inner.end_epoch()
+
+    def item_key(self) -> tuple[int, ...] | None:
+        return self.inner.item_key()
+
+    def close_own(self) -> None:
+        self.inner.close()
