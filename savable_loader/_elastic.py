@@ -336,7 +336,8 @@ def _standing(
 def _salt(old: tuple[OldStream, ...]) -> int:
     """A 63-bit number drawn from the old streams' pipeline states, batching aside
     (ReshardPlan.salt)."""
-    plain = [[list(dataclasses.astuple(s.context)), _pipeline_state(s.state)] for s in old]
+    # The context's fields before seed_each_item: salts of earlier versions stay.
+    plain = [[list(dataclasses.astuple(s.context))[:6], _pipeline_state(s.state)] for s in old]
     digest = hashlib.blake2b(msgpack.packb(plain, use_bin_type=True), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
