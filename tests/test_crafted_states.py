@@ -129,7 +129,7 @@ def test_a_shuffle_window_generator_is_checked_at_restore_too():
 from savable_loader.datasets import IndexedDataset
 from test_crafted_states import _draw
 def loader(num_workers):
-    stage = IndexedDataset(list(range(40))).map(_draw).shuffle(buffer_size=8, seed=1)
+    stage = IndexedDataset(list(range(40))).map(_draw).filter(bool).shuffle(buffer_size=8, seed=1)
     return SavableDataLoader(stage, batch_size=2, num_workers=num_workers)
 """
     namespace: dict[str, Any] = {"SavableDataLoader": SavableDataLoader}

@@ -31,6 +31,7 @@ from savable_loader import (
     WorkerContext,
 )
 from savable_loader.datasets import IndexedDataset, TokenSource
+from savable_loader.testing import assert_elastic
 
 N = 101
 BATCH = 4
@@ -362,7 +363,29 @@ def test_token_source_is_elastic(tmp_path):
 
 
 def shuffled() -> Any:
-    return IndexedDataset(list(range(N)), seed=SEED).shuffle(buffer_size=8, seed=1)
+    """A window shuffle over a stream (a filter reads as one): not elastic."""
+    source = IndexedDataset(list(range(N)), seed=SEED).filter(_everything)
+    return source.shuffle(buffer_size=8, seed=1)
+
+
+def test_a_shuffle_over_a_map_style_source_is_read_by_position_and_elastic():
+    """NOTE [ Pipelines read by position ]: the same global batches on every layout of
+    one global batch, and a save on one goes on with them on the others."""
+
+    def build(rank: int, world_size: int, num_workers: int, batch_size: int) -> Any:
+        stage = IndexedDataset(list(range(48)), shuffle=True, seed=SEED).shuffle(
+            buffer_size=8, seed=1
+        )
+        return SavableDataLoader(
+            stage,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            seed=SEED,
+            worker_config=WorkerConfig(rank=rank, world_size=world_size),
+        )
+
+    report = assert_elastic(build, [(2, 1, 4), (1, 0, 8), (4, 0, 2)], save_steps=[2, 5, 6])
+    assert report.restores > 0
 
 
 def test_a_shuffle_buffer_is_not_elastic_and_the_error_says_why_and_what_to_do():

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import gzip
 import io
 import itertools
 import json
+import operator
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +35,9 @@ from savable_loader.config import WorkerContext
 from savable_loader.datasets import IndexedDataset, JsonLinesSource
 from savable_loader.state.files import encode_state
 from savable_loader.state.models import RankState
+
+#: Keeps every item (a filter reads its source as a stream).
+KEEP = functools.partial(operator.is_not, None)
 
 DATA = list(range(20))
 BATCH = 2
@@ -68,7 +73,10 @@ PIPELINES: dict[str, Build] = {
     "jsonl samples": lambda folder: JsonLinesSource(str(folder / "*.jsonl")),
     "repeat": lambda folder: IndexedDataset(DATA).repeat(2),
     "limit": lambda folder: IndexedDataset(DATA).limit(7),
-    "shuffle": lambda folder: IndexedDataset(DATA).shuffle(buffer_size=4, seed=1),
+    # A filter reads as a stream only: the shuffle below keeps its windows of a stream.
+    "shuffle": lambda folder: IndexedDataset(DATA).filter(KEEP).shuffle(buffer_size=4, seed=1),
+    # Read by position (NOTE [ Pipelines read by position ] in datasets/global_view.py).
+    "shuffle by position": lambda folder: IndexedDataset(DATA).shuffle(buffer_size=4, seed=1),
 }
 
 
@@ -228,6 +236,8 @@ GARBAGE = [
     ("seeded map", True, "parent.salt", "s", r"Map: malformed state \(salt"),
     ("limit", False, "parent.count", 8, "count 8 in the state exceeds n=7"),
     ("shuffle", False, "parent.emitted", 5, "emitted 5 items of a window but buffer_size is 4"),
+    ("shuffle by position", False, "parent.pos", -3, r"IndexedDataset: malformed state \(pos"),
+    ("shuffle by position", False, "parent.window", 1, r"malformed state \(window"),
 ]
 
 

@@ -4,7 +4,9 @@ generators ] in ``rng/generators.py``)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -266,7 +268,10 @@ WINDOWED = 20
 def _shuffled(dataset: Any, num_workers: int, *, buffer_size: int = 4) -> SavableDataLoader:
     from savable_loader.datasets import IndexedDataset
 
-    stage = IndexedDataset(dataset).shuffle(buffer_size=buffer_size, seed=3)
+    # A filter reads as a stream: the shuffle keeps windows of its stream (NOTE [ Seeded
+    # windows ]), where over a map-style source it would read by position.
+    keep = functools.partial(operator.is_not, None)
+    stage = IndexedDataset(dataset).filter(keep).shuffle(buffer_size=buffer_size, seed=3)
     return SavableDataLoader(stage, batch_size=BATCH, num_workers=num_workers, worker_config=DENSE)
 
 

@@ -109,6 +109,16 @@ class GlobalView(IndexedDataset[T]):
     def config(self) -> dict[str, Any]:
         return self.pipeline.config()
 
+    @property
+    def children(self) -> tuple[Stage[Any], ...]:
+        """The pipeline: what holds files and caches (``file_access.py`` walks them)."""
+        return (self.pipeline,)
+
+    def not_elastic(self) -> None:
+        """Read by position, the view moves to any layout, whatever its stages would
+        say of a reading stream by stream."""
+        return None
+
     def describe(self) -> str:
         return self.pipeline.describe()
 

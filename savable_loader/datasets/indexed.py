@@ -196,9 +196,10 @@ class IndexedDataset(Stage[T]):
         return reshard_indexed(self, plan)
 
     def access(self, context: WorkerContext) -> _Access[T] | None:
-        """Items by position (NOTE [ Pipelines read by position ] in ``global_view.py``);
-        a source that reads its items otherwise (tokens, tables) has none."""
-        return _Access(self, context) if type(self) is IndexedDataset else None
+        """Items by position, ``data[i]`` (NOTE [ Pipelines read by position ] in
+        ``global_view.py``); token windows and table rows read so too, without the
+        prefetching their cursors do."""
+        return _Access(self, context)
 
     def check_layout(self, context: WorkerContext) -> None:
         """Refuses a layout on which a rank would read nothing of a dataset that has
