@@ -84,7 +84,7 @@ class SavableDataLoader(
             item from ``seed``, the epoch and the item's place in the global stream, so
             that a ``__getitem__`` or a map's function that draws from them draws the same
             on any number of ranks and workers (NOTE [ Items seeded one by one ] in
-            ``rng/keys.py``; about 50 us per item). Needs a pipeline whose items have such
+            ``rng/keys.py``; about 75 us per item). Needs a pipeline whose items have such
             a place: a map-style dataset or the library's sources, not your own iterable.
         worker_config: Rank, world size, command timeout, checkpoint policy.
 

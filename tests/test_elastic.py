@@ -644,3 +644,32 @@ def test_every_rank_right_after_its_last_batch_resumes_at_the_next_epoch(old_w, 
     rest, following = _resume(indexed, states, new_w, new_r)
     assert rest == []  # nothing of epoch 0 left, no padding added: the next iter() is epoch 1
     assert following == _fresh_epoch(indexed, new_w, new_r, epoch=1)
+
+
+def test_a_state_moved_with_seed_each_item_holds_no_generator_bytes():
+    """NOTE [ Items seeded one by one ]: the rest of a resharded epoch needs no salted
+    generators either, so its states stay small."""
+
+    def build(rank: int, ranks: int) -> SavableDataLoader:
+        return SavableDataLoader(
+            list(range(N)),
+            batch_size=BATCH,
+            num_workers=0,
+            seed=SEED,
+            seed_each_item=True,
+            worker_config=WorkerConfig(rank=rank, world_size=ranks),
+        )
+
+    states = []
+    for rank in range(2):
+        with build(rank, 2) as loader:
+            iterator = iter(loader)
+            next(iterator)
+            states.append(loader.save_state_rank())
+    with build(0, 1) as loader:
+        loader.restore_state_rank(states)
+        moved = loader.save_state_rank()
+        next(iter(loader))
+        after = loader.save_state_rank()
+    for state in (moved, after):
+        assert [w.checkpoint.rng for w in state.workers if w.checkpoint] == [None]

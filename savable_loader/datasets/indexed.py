@@ -319,6 +319,9 @@ class IndexedCursor(Cursor[T]):
         self._block: tuple[int, int, np.ndarray] = (-1, -1, np.empty(0, dtype=np.int64))
         #: ``(epoch, pos, done)`` of the item ``next()`` last returned (:meth:`item_key`).
         self._last: tuple[int, int, tuple[int, np.ndarray] | None] | None = None
+        #: ``(epoch, start, done, positions)``: a block of positions after an elastic
+        #: restore, for the keys (:meth:`_position`).
+        self._spots: tuple[int, int, Any, np.ndarray] = (-1, -1, None, np.empty(0, np.int64))
         #: Seed the global generators before each ``data[i]``: a source that reads its own
         #: items draws nothing (NOTE [ Items seeded one by one ] in ``rng/keys.py``).
         self.seeds_items = context.seed_each_item and type(self).item is IndexedCursor.item
@@ -360,18 +363,24 @@ class IndexedCursor(Cursor[T]):
         if self._last is None:
             return None
         epoch, pos, done = self._last
-        return (epoch, self._position(pos, done))
+        return (epoch, self._position(epoch, pos, done))
 
-    def _position(self, pos: int, done: tuple[int, np.ndarray] | None) -> int:
-        """The epoch's position at ``pos`` of this worker's shard."""
+    def _position(self, epoch: int, pos: int, done: tuple[int, np.ndarray] | None) -> int:
+        """The epoch's position at ``pos`` of this worker's shard: arithmetic, or after
+        an elastic restore a lookup in the block of positions it falls in."""
         if done is None:
             return int(global_position(pos, self.context))
-        return int(self.positions(pos, pos + 1, done)[0])
+        start = pos - pos % _BLOCK
+        cached_epoch, first, cached_done, spots = self._spots
+        if (cached_epoch, first) != (epoch, start) or cached_done is not done:
+            spots = self.positions(start, min(start + _BLOCK, self.shard_length), done)
+            self._spots = (epoch, start, done, spots)
+        return int(spots[pos - start])
 
     def _seed(self, pos: int) -> None:
         """Seeds the global generators for the item at ``pos`` (NOTE [ Items seeded one
         by one ] in ``rng/keys.py``)."""
-        position = self._position(pos, self.done)
+        position = self._position(self.epoch, pos, self.done)
         seed_item(Purpose.ITEM_GLOBALS, self.context.seed, self.epoch, position)
 
     def take(self, n: int) -> list[T]:
