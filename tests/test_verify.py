@@ -95,6 +95,29 @@ def shared() -> RandomCounter:
 NOT_CALLABLE = 3
 
 
+def _crop(index: int, rng: Any) -> tuple[int, int]:
+    return index, int(rng.integers(100))
+
+
+def _every_third(index: int) -> bool:
+    return index % 3 == 0
+
+
+def shuffled_map_style() -> Any:
+    """Read by position: one global stream on every layout."""
+    from savable_loader.datasets import IndexedDataset
+
+    source = IndexedDataset(list(range(48)), shuffle=True, seed=1).map(_crop, seed=2)
+    return source.shuffle(buffer_size=8, seed=3)
+
+
+def filtered() -> Any:
+    """A filter's streams pass as many items as they read: the ranks do not keep step."""
+    from savable_loader.datasets import IndexedDataset
+
+    return IndexedDataset(list(range(48)), shuffle=True, seed=1).filter(_every_third)
+
+
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     code = main(["verify", "--no-progress", *args])
     out, err = capsys.readouterr()
@@ -353,3 +376,50 @@ def test_harness_reports_a_short_and_a_long_epoch() -> None:
         "from main process)"
     )
     assert (long.value.expected, long.value.got["index"]) == (None, 0)
+
+
+# -- --elastic ----------------------------------------------------------------------------
+
+
+def test_cli_elastic_passes_a_pipeline_read_by_position(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, f"{MODULE}:shuffled_map_style", "--elastic", "2x1x4,1x0x8,4x0x2")
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].endswith(
+        "2 ranks x 1 worker x batch 4, 1 rank x 0 workers x batch 8, 4 ranks x 0 workers x batch 2"
+    )
+    assert (
+        "OK: every layout gave the same global batches, and every restore went on with them"
+        in lines
+    )
+    assert "  global steps:      6, 6 (2 epochs)" in lines
+    assert "  restores:          12 onto another layout" in lines
+
+
+def test_cli_elastic_reports_a_pipeline_whose_batches_follow_the_layout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = _run(capsys, f"{MODULE}:filtered", "--elastic", "2x0x4,1x0x8")
+    assert code == 1
+    assert out.splitlines()[-1].startswith("DIVERGED ")
+
+
+@pytest.mark.parametrize(
+    ("layouts", "message"),
+    [
+        ("2x1x4,1x0x6", "of one global batch size"),
+        ("2x1x4", "at least two layouts"),
+        ("2x1,1x0x8", "RANKSxWORKERSxBATCH"),
+        ("0x1x4,0x0x4", "at least 1 rank"),
+    ],
+)
+def test_cli_elastic_usage_errors_exit_2(capsys, layouts, message) -> None:
+    code, _, err = _run(capsys, f"{MODULE}:shuffled_map_style", "--elastic", layouts)
+    assert code == 2
+    assert message in err
+
+
+def test_cli_elastic_refuses_a_factory_of_loaders(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, f"{MODULE}:good_loader", "--elastic", "2x0x4,1x0x8")
+    assert code == 2
+    assert "returns a dataset, not a loader" in err

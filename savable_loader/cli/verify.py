@@ -17,8 +17,10 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
+from ..config import WorkerConfig
 from ..errors import ConfigError
-from ..testing import ResumeMismatch, VerifyReport, verify
+from ..loader import SavableDataLoader
+from ..testing import ResumeMismatch, Shape, VerifyReport, assert_elastic, verify
 from .output import _PROG, _err, _out, _plural
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,14 @@ def _verify_parser(commands: Any) -> None:
         help="seed of the choice of save points (default 0)",
     )
     verify_.add_argument("--no-progress", action="store_true", help="no progress bar")
+    verify_.add_argument(
+        "--elastic",
+        metavar="RxWxB,...",
+        default=None,
+        help="instead, check one global stream (savable_loader.testing.assert_elastic) on "
+        "these layouts of one global batch size, e.g. 2x1x4,1x0x8,4x0x2 (ranks x workers x "
+        "per-rank batch size); the factory returns a dataset",
+    )
 
 
 class _UsageError(Exception):
@@ -203,6 +213,8 @@ def _verify(args: argparse.Namespace) -> int:
         except Exception as error:
             raise _FactoryFailed(error) from error
 
+    if args.elastic is not None:
+        return _verify_elastic(args, guarded)
     _out(
         f"{prefix} {args.target}: {_epochs(args.epochs)}, "
         f"{_plural(args.points, 'random save point')} (seed {args.seed}) and the fixed ones"
@@ -239,6 +251,77 @@ def _verify(args: argparse.Namespace) -> int:
     for line in _verify_summary(report):
         _out(line)
     return 0 if sum(report.items_per_epoch) else 1
+
+
+def _layouts(text: str) -> list[Shape]:
+    """``RxWxB,...`` as layouts."""
+    layouts = []
+    for part in text.split(","):
+        numbers = part.strip().lower().split("x")
+        if len(numbers) != 3 or not all(number.isdigit() for number in numbers):
+            raise _UsageError(
+                f"--elastic takes layouts RANKSxWORKERSxBATCH separated by commas, e.g. "
+                f"2x1x4,1x0x8; got {part.strip()!r}"
+            )
+        ranks, workers, batch = (int(number) for number in numbers)
+        if ranks < 1 or batch < 1:
+            raise _UsageError(f"--elastic: {part.strip()!r} needs at least 1 rank and batch 1")
+        layouts.append(Shape(ranks, workers, batch))
+    if len(layouts) < 2 or len({layout.global_batch for layout in layouts}) != 1:
+        raise _UsageError(
+            "--elastic compares at least two layouts of one global batch size (ranks x "
+            f"batch); got {text!r}"
+        )
+    return layouts
+
+
+def _verify_elastic(args: argparse.Namespace, factory: Callable[[], Any]) -> int:
+    """``--elastic``: :func:`assert_elastic` on loaders over what ``factory`` returns."""
+    prefix = f"{_PROG} verify"
+    try:
+        layouts = _layouts(args.elastic)
+    except _UsageError as error:
+        _err(f"{prefix}: error: {error}")
+        return 2
+
+    def build(rank: int, world_size: int, num_workers: int, batch_size: int) -> Any:
+        dataset = factory()
+        if isinstance(dataset, SavableDataLoader):
+            raise ConfigError(
+                "--elastic builds the loaders of every layout itself: give a factory that "
+                "returns a dataset, not a loader"
+            )
+        return SavableDataLoader(
+            dataset,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            seed=args.seed,
+            worker_config=WorkerConfig(rank=rank, world_size=world_size),
+        )
+
+    shown = ", ".join(str(layout) for layout in layouts)
+    _out(f"{prefix} {args.target} --elastic: {_epochs(args.epochs)} on {shown}")
+    try:
+        report = assert_elastic(build, layouts, epochs=args.epochs)
+    except _FactoryFailed as failed:
+        cause = failed.error
+        _err(f"{prefix}: error: {args.target} raised {type(cause).__name__}: {_brief(cause)}")
+        return 2
+    except ConfigError as error:
+        _err(f"{prefix}: error: {_brief(error)}")
+        return 2
+    except AssertionError as mismatch:  # an ElasticMismatch, or ranks of unequal epochs
+        _out(f"DIVERGED {mismatch}")
+        return 1
+    except Exception as error:
+        logger.debug("the check raised", exc_info=True)
+        _out(f"FAILED: the check raised {type(error).__name__}: {_brief(error)}")
+        return 1
+    _out("OK: every layout gave the same global batches, and every restore went on with them")
+    steps = ", ".join(str(count) for count in report.steps)
+    _out(_field("global steps", f"{steps} ({_epochs(args.epochs)})"))
+    _out(_field("restores", f"{report.restores} onto another layout"))
+    return 0
 
 
 def _verify_summary(report: VerifyReport) -> Iterator[str]:

@@ -53,7 +53,11 @@ class Shape:
         return self.ranks * self.batch_size
 
     def __str__(self) -> str:
-        return f"{self.ranks} ranks x {self.num_workers} workers x batch {self.batch_size}"
+        ranks, workers = self.ranks, self.num_workers
+        return (
+            f"{ranks} rank{'s' * (ranks != 1)} x {workers} worker{'s' * (workers != 1)} x "
+            f"batch {self.batch_size}"
+        )
 
 
 class ElasticMismatch(AssertionError):
