@@ -220,8 +220,8 @@ class _Move:
         ended = elastic and target != self.epoch  # a save between epochs
         # The rest of an epoch draws from salted generators: a new worker must not repeat
         # the draws the old worker of the same id made at the start of the epoch.
-        # With seed_each_item nothing draws from what they hold between items (NOTE [ Items
-        # seeded one by one ] in rng/keys.py): the epoch's seeding stands for them.
+        # With seed_each_item nothing draws from what they hold between items: the
+        # epoch's seeding stands for them (NOTE [ Items seeded one by one ] in rng/keys.py).
         salted = elastic and not self.untouched and not layout.seed_each_item
         workers = tuple(
             WorkerState(

@@ -743,35 +743,16 @@ def test_split_batch_takes_a_collate_fn_list_batch_as_its_items():
     assert split_batch(["x", "y"]) == ["x", "y"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="split_batch reads a list of dicts (collate_fn=list over dict items) as fields "
-    "and tries to split each dict's scalar values: 'cannot split a batch of type int'",
-)
 def test_split_batch_takes_a_collate_fn_list_batch_of_dicts_as_its_items():
     items = [{"id": i, "name": f"n{i}"} for i in range(3)]
     assert split_batch(list(items)) == items
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="split_batch reads a list of dicts of tensors (collate_fn=list) as fields and "
-    "transposes it: 2 items of 3 tensors give 3 'items' of 2 dicts",
-)
 def test_split_batch_takes_a_collate_fn_list_batch_of_tensor_dicts_as_its_items():
     items = [{"x": torch.tensor([i, i, i])} for i in range(2)]
     assert [digest(item) for item in split_batch(list(items))] == [digest(i) for i in items]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a tuple field of strings (default_collate of (tensor, str) items gives "
-    "[tensor, ('a', 'b', 'c')]) is not taken for a field: split_batch returns the two "
-    "fields as the batch's items",
-)
 def test_split_batch_gives_tuples_with_a_string_field_item_by_item():
     items = [(torch.tensor(i), f"caption {i}") for i in range(3)]
     got = split_batch(default_collate(items))

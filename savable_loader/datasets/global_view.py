@@ -35,26 +35,26 @@ from .stage import Stage
 __all__ = ["FRESH", "Access", "GlobalView", "global_view"]
 
 T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
 
 #: Fresh runs read a pipeline with a window shuffle by position (see the NOTE above);
 #: off, stream by stream as versions before it did (for their states' tests).
 FRESH = True
 
 
-class Access(Protocol[T_co]):
+class Access(Protocol[T]):
     """A stage's items by position (NOTE [ Pipelines read by position ])."""
 
     def length(self) -> int:
         """Items in every epoch."""
         ...
 
-    def get(self, epoch: int, position: int) -> T_co:
-        """The item at ``position`` (below :meth:`length`) of ``epoch``."""
+    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
+        """The items at ``positions`` (each below :meth:`length`) of ``epoch``, read in
+        that order (a source computes their indices at once)."""
         ...
 
-    def key(self, epoch: int, position: int) -> tuple[int, ...]:
-        """That item's key in the global stream (NOTE [ Keys of the global stream ] in
+    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
+        """Those items' keys in the global stream (NOTE [ Keys of the global stream ] in
         ``rng/keys.py``)."""
         ...
 
@@ -103,7 +103,11 @@ class GlobalView(IndexedDataset[T]):
         access = pipeline.access(WorkerContext(0, 1, 0, 0, 0, None))
         if access is None:
             raise StateError(f"{pipeline.describe()} cannot be read by position; please report")
-        super().__init__(_Positions(access.length()), even=_even(pipeline))  # type: ignore[arg-type]
+        super().__init__(
+            _Positions(access.length()),  # type: ignore[arg-type]
+            even=_even(pipeline),
+            deterministic_items=_draws_nothing(pipeline),
+        )
         self.pipeline = pipeline
 
     def config(self) -> dict[str, Any]:
@@ -156,6 +160,16 @@ def _even(pipeline: Stage[Any]) -> Any:
     return "pad"
 
 
+def _draws_nothing(pipeline: Stage[Any]) -> bool:
+    """Whether no stage of the pipeline may draw from the global generators: a source
+    declared ``deterministic_items`` under shuffles only (a map's function may draw)."""
+    if isinstance(pipeline, IndexedDataset):
+        return pipeline.deterministic_items
+    if type(pipeline).__name__ != "Shuffle":
+        return False
+    return all(_draws_nothing(child) for child in pipeline.children)
+
+
 def _by_stream(state: Any) -> bool:
     """Whether ``state`` nests the stages' parts: saved by a stream-by-stream reading."""
     return isinstance(state, dict) and ("parent" in state or "sources" in state)
@@ -168,11 +182,38 @@ class _ByPosition(IndexedCursor[T]):
         super().__init__(stage, context)
         access = stage.pipeline.access(context)
         assert access is not None  # GlobalView checked it
-        self.access = access
+        self.access: Access[T] = access
 
     def item(self, index: int) -> T:
-        item: T = self.access.get(self.epoch, index)
+        (item,) = self.access.get_many(self.epoch, [index])
         return item
+
+    def take(self, n: int) -> list[T]:
+        """The next ``n`` positions' items, read through the access at once."""
+        pos = self.pos
+        stop = min(pos + n, self.shard_length)
+        self.pos = stop  # before the reads, as a map-style dataset's (NOTE [ Going on ...])
+        items = self.access.get_many(self.epoch, self._cached(pos, stop)) if stop > pos else []
+        if stop - pos < n:
+            self.end_epoch()
+        return items
+
+    @property
+    def draws_nothing(self) -> bool:
+        """Items that draw from no global generator (NOTE [ Items seeded one by one ] in
+        ``rng/keys.py``) are skipped without reading them."""
+        return self.stage.deterministic_items or self.context.seed_each_item
+
+    def skip_fast(self, n: int) -> int:
+        if self.draws_nothing:
+            return super().skip_fast(n)
+        passed = 0
+        while passed < n:  # read, a block at a time, as reading them would
+            got = len(self.take(min(n - passed, 1024)))
+            passed += got
+            if got < min(n - passed + got, 1024):
+                break
+        return passed
 
     def goes_on_after_error(self) -> bool:
         """The position moves past an item before it is read, as a map-style dataset's."""

@@ -99,6 +99,8 @@ T_co = TypeVar("T_co", covariant=True)
 
 #: Positions whose indices a cursor computes at once (NOTE [ Computed epoch orders ]).
 _BLOCK = 1024
+#: Blocks of indices a reading by position keeps (``_Access``).
+_KEPT_BLOCKS = 8
 
 
 class MapStyle(Protocol[T_co]):
@@ -251,26 +253,44 @@ class _Access(Generic[T]):
         self.seeds_items = context.seed_each_item
         self.seed = context.seed
         self._order: tuple[int, Any] = (-1, None)
+        #: The indices of the last blocks of positions read, by (epoch, block): computing
+        #: a block at once costs what a few positions alone do, and a stream's positions
+        #: gather in a few blocks at a time (NOTE [ Computed epoch orders ]).
+        self._blocks: dict[tuple[int, int], list[int]] = {}
 
     def length(self) -> int:
         return len(self.stage.data)
 
-    def get(self, epoch: int, position: int) -> T:
-        index = position
-        if self.stage.shuffled:
+    def _index(self, epoch: int, position: int) -> int:
+        block, offset = divmod(position, _BLOCK)
+        indices = self._blocks.get((epoch, block))
+        if indices is None:
             cached, permutation = self._order
             if cached != epoch:
                 key = seed_for(Purpose.PERMUTATION, self.stage.seed, epoch)
                 permutation = KeyedPermutation(len(self.stage.data), key)
                 self._order = (epoch, permutation)
-            index = int(permutation(position))
-        if self.seeds_items:
-            seed_item(Purpose.ITEM_GLOBALS, self.seed, epoch, position)
-        return self.stage.data[index]
+            stop = min((block + 1) * _BLOCK, len(self.stage.data))
+            indices = permutation(np.arange(block * _BLOCK, stop, dtype=np.int64)).tolist()
+            if len(self._blocks) >= _KEPT_BLOCKS:
+                del self._blocks[next(iter(self._blocks))]
+            self._blocks[epoch, block] = indices
+        return indices[offset]
 
-    def key(self, epoch: int, position: int) -> tuple[int, ...]:
-        """The item's key in the global stream: as :meth:`IndexedCursor.item_key`."""
-        return (epoch, position)
+    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
+        indices = [self._index(epoch, p) for p in positions] if self.stage.shuffled else positions
+        data = self.stage.data
+        if not self.seeds_items:
+            return [data[index] for index in indices]
+        items = []
+        for position, index in zip(positions, indices, strict=True):
+            seed_item(Purpose.ITEM_GLOBALS, self.seed, epoch, position)
+            items.append(data[index])
+        return items
+
+    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
+        """The items' keys in the global stream: as :meth:`IndexedCursor.item_key`."""
+        return [(epoch, position) for position in positions]
 
 
 def read_batch(data: Any, indices: list[Any]) -> list[Any]:

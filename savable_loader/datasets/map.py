@@ -138,20 +138,23 @@ class _Access(Generic[U]):
         length: int = self.parent.length()
         return length
 
-    def key(self, epoch: int, position: int) -> tuple[int, ...]:
-        key: tuple[int, ...] = self.parent.key(epoch, position)
-        return key
+    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
+        keys: list[tuple[int, ...]] = self.parent.keys(epoch, positions)
+        return keys
 
-    def get(self, epoch: int, position: int) -> U:
-        item = self.parent.get(epoch, position)
+    def get_many(self, epoch: int, positions: list[int]) -> list[U]:
+        items = self.parent.get_many(epoch, positions)
         if self.stage_key is None and self.seed is None:
-            return self.fn(item)
-        key = self.key(epoch, position)
-        if self.stage_key is not None:
-            seed_item(Purpose.MAP_GLOBALS, self.loader_seed, self.stage_key, *key)
-        if self.seed is None:
-            return self.fn(item)
-        return self.fn(item, generator_for(Purpose.MAP_ITEM, self.seed, *key))
+            return [self.fn(item) for item in items]
+        out = []
+        for item, key in zip(items, self.keys(epoch, positions), strict=True):
+            if self.stage_key is not None:
+                seed_item(Purpose.MAP_GLOBALS, self.loader_seed, self.stage_key, *key)
+            if self.seed is None:
+                out.append(self.fn(item))
+            else:
+                out.append(self.fn(item, generator_for(Purpose.MAP_ITEM, self.seed, *key)))
+        return out
 
 
 def _stage_key(stage: Map[Any]) -> int:

@@ -167,13 +167,15 @@ class _Windows(Generic[T]):
             self._order = (epoch, window, order)
         return window * self.size + order[offset]
 
-    def key(self, epoch: int, position: int) -> tuple[int, ...]:
-        key: tuple[int, ...] = self.parent.key(epoch, self._source(epoch, position))
-        return key
+    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
+        sources = [self._source(epoch, position) for position in positions]
+        keys: list[tuple[int, ...]] = self.parent.keys(epoch, sources)
+        return keys
 
-    def get(self, epoch: int, position: int) -> T:
-        item: T = self.parent.get(epoch, self._source(epoch, position))
-        return item
+    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
+        sources = [self._source(epoch, position) for position in positions]
+        items: list[T] = self.parent.get_many(epoch, sources)
+        return items
 
 
 class _ShuffleCursor(TransformCursor[T]):

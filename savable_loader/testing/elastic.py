@@ -110,9 +110,10 @@ class ElasticReport:
 
 def split_batch(batch: Any) -> list[Any]:
     """The items of a batch ``default_collate`` made: tensors and arrays along their first
-    dimension, dicts key by key, a list or tuple whose elements are all such fields of one
-    length field by field; any other list is a list of items (``collate_fn=list``). A list
-    of tensors of one length is read as fields: pass ``items=list`` to
+    dimension, dicts key by key, and a list or tuple of fields (a tuple item collated: at
+    least one tensor or array, the other fields tensors, dicts, or lists of strings or
+    numbers) field by field; any other list is a list of items (``collate_fn=list``). A
+    list of tensors of one length is read as fields: pass ``items=list`` to
     :func:`assert_elastic` when your batches are lists of such items."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return list(batch)
@@ -124,7 +125,7 @@ def split_batch(batch: Any) -> list[Any]:
         (count,) = counts
         return [{key: column[i] for key, column in columns.items()} for i in range(count)]
     if isinstance(batch, (list, tuple)):
-        if batch and all(_is_field(field) for field in batch):
+        if _are_fields(batch):
             columns_ = [split_batch(field) for field in batch]
             if len({len(column) for column in columns_}) == 1:
                 count = len(columns_[0])
@@ -133,14 +134,29 @@ def split_batch(batch: Any) -> list[Any]:
     raise ValueError(f"cannot split a batch of type {type(batch).__name__} into items")
 
 
+_LEAVES = (str, bytes, int, float, bool)
+
+
+def _are_fields(values: Sequence[Any]) -> bool:
+    """Whether ``values`` are the fields of collated tuple items: a tensor or array among
+    them, and every one a field."""
+    has_tensor = any(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim > 0 for v in values)
+    return has_tensor and all(_is_field(value) for value in values)
+
+
 def _is_field(value: Any) -> bool:
     """Whether ``value`` is one field of a collated batch: a tensor or array of the batch's
-    items, a dict of such, or a list or tuple of such (a tuple item's fields)."""
+    items, a dict of fields, a list of strings or numbers (``default_collate`` keeps
+    strings as a list), or a list or tuple of fields (a nested tuple)."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return value.ndim > 0
+    if isinstance(value, Mapping):
+        return bool(value) and all(_is_field(element) for element in value.values())
     if isinstance(value, (list, tuple)):
-        return bool(value) and all(_is_field(element) for element in value)
-    return isinstance(value, Mapping)
+        if value and all(isinstance(element, _LEAVES) for element in value):
+            return True
+        return _are_fields(value)
+    return False
 
 
 def _step_items(batches: Sequence[Any], items: Items) -> tuple[str, ...]:
