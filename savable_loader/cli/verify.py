@@ -231,26 +231,33 @@ def _verify(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=bar.update if show else None,
         )
-    except _FactoryFailed as failed:
-        logger.debug("the factory raised", exc_info=failed.error)
-        cause = failed.error
-        _err(f"{prefix}: error: {args.target} raised {type(cause).__name__}: {_brief(cause)}")
-        return 2
-    except ConfigError as error:
-        _err(f"{prefix}: error: {_brief(error)}")
-        return 2
     except ResumeMismatch as mismatch:
         _out(f"DIVERGED {mismatch}" if mismatch.point else f"FAILED: {mismatch}")
         return 1
     except Exception as error:
-        logger.debug("the check raised", exc_info=True)
-        _out(f"FAILED: the check raised {type(error).__name__}: {_brief(error)}")
-        return 1
+        return _failed(args, error)
     finally:
         bar.close()
     for line in _verify_summary(report):
         _out(line)
     return 0 if sum(report.items_per_epoch) else 1
+
+
+def _failed(args: argparse.Namespace, error: Exception) -> int:
+    """Reports a check that could not run (the factory or an argument: exit 2) or that
+    raised (exit 1)."""
+    prefix = f"{_PROG} verify"
+    if isinstance(error, _FactoryFailed):
+        logger.debug("the factory raised", exc_info=error.error)
+        cause = error.error
+        _err(f"{prefix}: error: {args.target} raised {type(cause).__name__}: {_brief(cause)}")
+        return 2
+    if isinstance(error, ConfigError):
+        _err(f"{prefix}: error: {_brief(error)}")
+        return 2
+    logger.debug("the check raised", exc_info=True)
+    _out(f"FAILED: the check raised {type(error).__name__}: {_brief(error)}")
+    return 1
 
 
 def _layouts(text: str) -> list[Shape]:
@@ -303,20 +310,11 @@ def _verify_elastic(args: argparse.Namespace, factory: Callable[[], Any]) -> int
     _out(f"{prefix} {args.target} --elastic: {_epochs(args.epochs)} on {shown}")
     try:
         report = assert_elastic(build, layouts, epochs=args.epochs)
-    except _FactoryFailed as failed:
-        cause = failed.error
-        _err(f"{prefix}: error: {args.target} raised {type(cause).__name__}: {_brief(cause)}")
-        return 2
-    except ConfigError as error:
-        _err(f"{prefix}: error: {_brief(error)}")
-        return 2
     except AssertionError as mismatch:  # an ElasticMismatch, or ranks of unequal epochs
         _out(f"DIVERGED {mismatch}")
         return 1
     except Exception as error:
-        logger.debug("the check raised", exc_info=True)
-        _out(f"FAILED: the check raised {type(error).__name__}: {_brief(error)}")
-        return 1
+        return _failed(args, error)
     _out("OK: every layout gave the same global batches, and every restore went on with them")
     steps = ", ".join(str(count) for count in report.steps)
     _out(_field("global steps", f"{steps} ({_epochs(args.epochs)})"))

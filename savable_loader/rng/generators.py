@@ -171,24 +171,14 @@ def apply(snapshot: RngSnapshot) -> None:
 
 
 class OwnGenerators:
-    """Generator states kept apart from the process's (NOTE [ Seeded windows ]
-    A stage that keeps the generators' states for a later re-read (``Shuffle`` keeps them at
-    each window's start) would put those ~10 KB into every state too. While a runtime runs
-    its pipeline it is the active :class:`Seedings` (:class:`Scope`), which tells whether a
-    capture equals its generators as seeded for an epoch and still untouched (the same exact
-    comparison as NOTE [ Untouched generators ]) and rebuilds that seeding on demand. Such a
-    stage keeps the epoch instead of the bytes (:func:`seeded_epoch_of`) and, on restore,
-    asks the active runtime for those generators again (:func:`seeded_for`); outside a
-    runtime, or once something drew, it keeps the bytes as before.
+    """Generator states kept apart from the process's (NOTE [ Own generators ]).
 
-    NOTE [ Own generators ]).
+    ``with generators:`` applies :attr:`snapshot` to the three global generators; on
+    leaving, :attr:`snapshot` becomes what they hold then, and the states they held
+    before are applied again. Not reentrant.
 
-        ``with generators:`` applies :attr:`snapshot` to the three global generators; on
-        leaving, :attr:`snapshot` becomes what they hold then, and the states they held
-        before are applied again. Not reentrant.
-
-        Args:
-            snapshot: The states to start from.
+    Args:
+        snapshot: The states to start from.
     """
 
     __slots__ = ("_outer", "snapshot")
