@@ -8,6 +8,8 @@ multiprocessing hands ``sys.path`` to the children).
 
 from __future__ import annotations
 
+import functools
+import operator
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -43,11 +45,13 @@ def _loader() -> Any:
 
 
 def _shuffle_loader() -> Any:
-    """A pipeline that is not elastic: its shuffle buffer belongs to one worker."""
+    """A pipeline that is not elastic: its shuffle buffer belongs to one worker (a filter
+    reads as a stream, so the shuffle above it does not read by position)."""
     from savable_loader import SavableDataLoader
     from savable_loader.datasets import IndexedDataset
 
-    pipeline = IndexedDataset(DATA).shuffle(buffer_size=8, seed=0)
+    keep = functools.partial(operator.is_not, None)
+    pipeline = IndexedDataset(DATA).filter(keep).shuffle(buffer_size=8, seed=0)
     return SavableDataLoader(pipeline, batch_size=2, num_workers=2, seed=0, worker_config=_config())
 
 

@@ -173,7 +173,7 @@ def test_state_per_worker_is_small():
         ({"batch_size": 4}, "batch_size"),
         ({"batch_size": 1}, "batch_size"),
         ({"seed": 5}, "seed"),
-        ({"drop_last": True}, "fingerprint"),
+        ({"drop_last": True}, "drop_last was False when the state was saved and is True now"),
     ],
 )
 def test_incompatible_state_is_refused_naming_the_field(change, field):
