@@ -71,7 +71,8 @@ PIPELINES: dict[str, Build] = {
     "seeded map": lambda folder: IndexedDataset(DATA).map(_noisy, seed=3),
     "jsonl files": lambda folder: JsonLinesSource(str(folder / "*.jsonl"), split="files"),
     "jsonl samples": lambda folder: JsonLinesSource(str(folder / "*.jsonl")),
-    "repeat": lambda folder: IndexedDataset(DATA).repeat(2),
+    # Over a filter, a repeat reads as a stream (its own state).
+    "repeat": lambda folder: IndexedDataset(DATA).filter(KEEP).repeat(2),
     "limit": lambda folder: IndexedDataset(DATA).limit(7),
     # A filter reads as a stream only: the shuffle below keeps its windows of a stream.
     "shuffle": lambda folder: IndexedDataset(DATA).filter(KEEP).shuffle(buffer_size=4, seed=1),

@@ -15,10 +15,11 @@ number of ranks, workers or another per-rank batch size) continues the same posi
 (NOTE [ Elastic indexed order ]).
 
 The view is taken only where a stage's stream reading depends on the layout (a
-``Shuffle``); a pipeline without one reads as before, its global batches already the same
-on every layout. A state saved by a version that read such a pipeline stream by stream
-(its state nests the stages' parts) is continued by that reading, for the rest of the
-run (``FRESH`` off reads fresh runs that way too, as those versions did).
+``Shuffle``, a ``Repeat`` of counted passes); a pipeline without one reads as before,
+its global batches already the same on every layout. A state saved by a version that
+read such a pipeline stream by stream (its state nests the stages' parts) is continued
+by that reading, for the rest of the run (``FRESH`` off reads fresh runs that way too,
+as those versions did).
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ def global_view(stage: Stage[T]) -> Stage[T]:
 
 
 def _reads_by_stream(stage: Stage[Any]) -> bool:
-    if type(stage).__name__ == "Shuffle":
+    """Whether a stage reads otherwise by stream than by position: a window shuffle, a
+    repeat of counted passes (NOTE [ Repeat by position ] in ``repeat.py``)."""
+    name = type(stage).__name__
+    if name == "Shuffle" or (name == "Repeat" and getattr(stage, "times", None) is not None):
         return True
     return any(_reads_by_stream(child) for child in stage.children)
 
@@ -165,7 +169,7 @@ def _draws_nothing(pipeline: Stage[Any]) -> bool:
     declared ``deterministic_items`` under shuffles only (a map's function may draw)."""
     if isinstance(pipeline, IndexedDataset):
         return pipeline.deterministic_items
-    if type(pipeline).__name__ != "Shuffle":
+    if type(pipeline).__name__ not in ("Shuffle", "Repeat"):
         return False
     return all(_draws_nothing(child) for child in pipeline.children)
 

@@ -25,11 +25,20 @@ epoch ended and the source stands at its next one, exactly as after the StopIter
 that reading meets there: the pass is counted as reading counts it, and the skip goes on
 in the next pass, until ``k`` items are passed or the last pass ends (then the Repeat
 epoch has ended too, as reading past its last item would end it).
+
+NOTE [ Repeat by position ]
+Read as a stream, a worker's passes follow one another in that worker: the last batch of
+a pass takes the first items of the next pass of that worker's shard, so which items
+share a global step depends on the layout. When the source can be read by position
+(NOTE [ Pipelines read by position ] in ``global_view.py``) and ``times`` is set, epoch
+``e`` of the repeat is the source's epochs ``e * times`` to ``e * times + times - 1``,
+their positions one after the other; the loader reads the whole pipeline by position,
+and every layout gets the same global batches.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import Field
 
@@ -90,9 +99,51 @@ class Repeat(Transform[T]):
     def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[T]:
         return _RepeatCursor(self.times, parent, context)
 
+    def access(self, context: WorkerContext) -> _Rounds[T] | None:
+        """Items by position when the source has them and the passes are counted: epoch
+        ``e`` is the source's epochs ``e * times`` to ``e * times + times - 1`` one after
+        the other (NOTE [ Repeat by position ])."""
+        parent = self.source.access(context)
+        if parent is None or self.times is None:
+            return None
+        return _Rounds(self.times, parent)
+
 
 class _Passes(StageState):
     passes: int = Field(ge=0, description="Source epochs completed in this Repeat epoch.")
+
+
+class _Rounds(Generic[T]):
+    """A repeat's items by position (NOTE [ Repeat by position ])."""
+
+    def __init__(self, times: int, parent: Any) -> None:
+        self.times, self.parent = times, parent
+
+    def length(self) -> int:
+        return self.times * int(self.parent.length())
+
+    def _groups(self, epoch: int, positions: list[int]) -> list[tuple[int, list[int]]]:
+        """The positions as (source epoch, source positions) runs, in order."""
+        size = int(self.parent.length())
+        groups: list[tuple[int, list[int]]] = []
+        for position in positions:
+            source_epoch = epoch * self.times + position // size
+            if not groups or groups[-1][0] != source_epoch:
+                groups.append((source_epoch, []))
+            groups[-1][1].append(position % size)
+        return groups
+
+    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
+        items: list[T] = []
+        for source_epoch, run in self._groups(epoch, positions):
+            items += self.parent.get_many(source_epoch, run)
+        return items
+
+    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
+        keys: list[tuple[int, ...]] = []
+        for source_epoch, run in self._groups(epoch, positions):
+            keys += self.parent.keys(source_epoch, run)
+        return keys
 
 
 class _RepeatCursor(TransformCursor[T]):
