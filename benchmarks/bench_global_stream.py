@@ -68,17 +68,7 @@ Rows = list[dict[str, Any]]
 # -- datasets and functions (module level: the workers fork, the map configs name them) ----
 
 
-class Lazy:
-    """``n`` items, item ``i`` being ``i``; nothing is stored."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
+Lazy = common.Range
 
 
 class Draws:

@@ -52,17 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 BATCH = 32
 
 
-class Range:
-    """``N`` items, item ``i`` being ``i`` (nothing is stored)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
+Range = common.Range
 
 
 def _children_peak_rss() -> list[int]:

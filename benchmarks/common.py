@@ -110,6 +110,20 @@ def units_for(cost_us: float) -> int:
 # -- the dataset ---------------------------------------------------------------------------
 
 
+class Range:
+    """``n`` items, item ``i`` being ``i``; nothing is stored (a map-style dataset of any
+    length, up to 10**9 and beyond)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
 class SyntheticDataset(SavableDataset[dict[str, Any]]):
     """Items ``{"x": torch.rand(tensor_size), "index": i, "aug": int}`` for i in 0..n-1.
 
