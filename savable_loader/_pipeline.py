@@ -96,8 +96,9 @@ class Pipeline:
         planner = self.planner
         if planner is not None and planner.index_sampler is not None:
             return len(planner.index_sampler)
-        if isinstance(self.source, IndexedDataset):
-            return self.source.rank_batches(contexts, drop_last=drop_last)
+        read = self.root.source  # a pipeline read by position is an IndexedDataset too
+        if isinstance(read, IndexedDataset):
+            return read.rank_batches(contexts, drop_last=drop_last)
         items, size = self.iterable_length(), self.root.batch_size
         if size is None:
             return items
@@ -119,7 +120,7 @@ class Pipeline:
         counts it from ``iterable_length``)."""
         planner = self.planner
         drawn = planner is not None and planner.index_sampler is not None
-        return not drawn and not isinstance(self.source, IndexedDataset)
+        return not drawn and not isinstance(self.root.source, IndexedDataset)
 
     @property
     def sampled(self) -> bool:

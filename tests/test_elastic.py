@@ -11,6 +11,8 @@ rank as many (NOTE [ Elastic indexed order ]).
 
 from __future__ import annotations
 
+import functools
+import operator
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -325,7 +327,9 @@ def test_seeded_map_is_elastic_and_its_next_epoch_matches_a_fresh_run():
 
 
 def limited() -> Any:
-    return IndexedDataset(list(range(N)), shuffle=True, seed=SEED).limit(20)
+    # Over a filter a limit is read stream by stream: 20 items each.
+    keep_all = functools.partial(operator.is_not, None)
+    return IndexedDataset(list(range(N)), shuffle=True, seed=SEED).filter(keep_all).limit(20)
 
 
 def test_limit_splits_what_the_old_streams_had_left():
@@ -336,6 +340,20 @@ def test_limit_splits_what_the_old_streams_had_left():
     assert len(rest) == 28
     assert len(set(consumed + rest)) == 40
     assert following == _fresh_epoch(limited, 3, 1, epoch=1)
+
+
+def limited_by_position() -> Any:
+    return IndexedDataset(list(range(N)), shuffle=True, seed=SEED).limit(20)
+
+
+def test_a_limit_read_by_position_moves_its_first_n_items_to_another_layout():
+    # NOTE [ Limit by position ]: 20 items an epoch in all; 3 batches of 4 consumed, 8 left.
+    consumed, states = _save(limited_by_position, 2, 1, [3])
+    rest, following = _resume(limited_by_position, states, 3, 1)
+    assert (len(consumed), len(rest)) == (12, 8)
+    first = [int(x) for x in SavableDataLoader(limited_by_position(), batch_size=None)]
+    assert sorted(consumed + rest) == sorted(first)
+    assert following == _fresh_epoch(limited_by_position, 3, 1, epoch=1)
 
 
 def tokens_source(tmp_path: Any) -> Callable[[], Any]:

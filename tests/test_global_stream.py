@@ -302,16 +302,19 @@ def test_a_repeat_of_uneven_shards_gives_the_same_global_batches_with_workers():
     assert report.restores > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ElasticMismatch,
-    reason="not elastic yet, as docs/explanation/elastic.md says: Limit(n) takes n items of "
-    "every stream (rank x worker, NOTE [ Limit epochs ]), so an epoch holds "
-    "n x ranks x max(workers, 1) items and layouts of one global batch differ",
-)
-def test_a_limit_gives_the_same_global_batches_on_every_layout():
+def test_a_limit_gives_the_same_global_batches_on_every_layout_and_n_items_in_all():
+    """Read by position (NOTE [ Limit by position ]): the epoch's first 12 positions."""
     build = _builder(lambda: seeded_map().limit(12))
-    assert_elastic(build, LAYOUTS, save_steps=())
+    report = assert_elastic(build, [*LAYOUTS, Shape(2, 2, 4)], save_steps=[1, 2])
+    assert report.steps == (2, 2)  # 12 items a global batch of 8: one full step, one of 4
+    loaders = _loaders(build, Shape(4, 1, 2))
+    try:
+        epoch = _global_epoch(loaders)
+    finally:
+        _close(loaders)
+    with _builder(seeded_map)(0, 1, 0, 12) as whole:
+        first = [digest(item) for item in split_batch(next(iter(whole)))]
+    assert sorted(d for step in epoch for d in step) == sorted(first)
 
 
 def test_assert_elastic_catches_a_stream_that_depends_on_the_layout():

@@ -73,7 +73,10 @@ PIPELINES: dict[str, Build] = {
     "jsonl samples": lambda folder: JsonLinesSource(str(folder / "*.jsonl")),
     # Over a filter, a repeat reads as a stream (its own state).
     "repeat": lambda folder: IndexedDataset(DATA).filter(KEEP).repeat(2),
-    "limit": lambda folder: IndexedDataset(DATA).limit(7),
+    # Over a filter, a limit counts per stream (its own state); over a map-style dataset
+    # it is read by position (NOTE [ Limit by position ] in datasets/limit.py).
+    "limit": lambda folder: IndexedDataset(DATA).filter(KEEP).limit(7),
+    "limit by position": lambda folder: IndexedDataset(DATA).limit(7),
     # A filter reads as a stream only: the shuffle below keeps its windows of a stream.
     "shuffle": lambda folder: IndexedDataset(DATA).filter(KEEP).shuffle(buffer_size=4, seed=1),
     # Read by position (NOTE [ Pipelines read by position ] in datasets/global_view.py).
@@ -236,6 +239,7 @@ GARBAGE = [
     ("seeded map", False, "parent.epoch", 1.5, r"Map: malformed state \(epoch"),
     ("seeded map", True, "parent.salt", "s", r"Map: malformed state \(salt"),
     ("limit", False, "parent.count", 8, "count 8 in the state exceeds n=7"),
+    ("limit by position", False, "parent.pos", 8, "past this worker's shard"),
     ("shuffle", False, "parent.emitted", 5, "emitted 5 items of a window but buffer_size is 4"),
     ("shuffle by position", False, "parent.pos", -3, r"IndexedDataset: malformed state \(pos"),
     ("shuffle by position", False, "parent.window", 1, r"malformed state \(window"),

@@ -63,21 +63,12 @@ class Access(Protocol[T]):
 def global_view(stage: Stage[T]) -> Stage[T]:
     """``stage`` read by position when its stream reading depends on the layout and every
     stage of it has an :class:`Access`; else ``stage`` itself."""
-    if not FRESH or not _reads_by_stream(stage):
+    if not FRESH or not stage.reads_by_layout():
         return stage
     probe = WorkerContext(0, 1, 0, 0, 0, None)
     if stage.access(probe) is None:
         return stage
     return GlobalView(stage)
-
-
-def _reads_by_stream(stage: Stage[Any]) -> bool:
-    """Whether a stage reads otherwise by stream than by position: a window shuffle, a
-    repeat of counted passes (NOTE [ Repeat by position ] in ``repeat.py``)."""
-    name = type(stage).__name__
-    if name == "Shuffle" or (name == "Repeat" and getattr(stage, "times", None) is not None):
-        return True
-    return any(_reads_by_stream(child) for child in stage.children)
 
 
 class _Positions:
@@ -110,7 +101,7 @@ class GlobalView(IndexedDataset[T]):
         super().__init__(
             _Positions(access.length()),  # type: ignore[arg-type]
             even=_even(pipeline),
-            deterministic_items=_draws_nothing(pipeline),
+            deterministic_items=pipeline.draws_nothing(),
         )
         self.pipeline = pipeline
 
@@ -162,16 +153,6 @@ def _even(pipeline: Stage[Any]) -> Any:
     for child in pipeline.children:
         return _even(child)
     return "pad"
-
-
-def _draws_nothing(pipeline: Stage[Any]) -> bool:
-    """Whether no stage of the pipeline may draw from the global generators: a source
-    declared ``deterministic_items`` under shuffles only (a map's function may draw)."""
-    if isinstance(pipeline, IndexedDataset):
-        return pipeline.deterministic_items
-    if type(pipeline).__name__ not in ("Shuffle", "Repeat"):
-        return False
-    return all(_draws_nothing(child) for child in pipeline.children)
 
 
 def _by_stream(state: Any) -> bool:

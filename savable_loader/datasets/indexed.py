@@ -203,6 +203,9 @@ class IndexedDataset(Stage[T]):
         prefetching their cursors do."""
         return _Access(self, context)
 
+    def draws_nothing(self) -> bool:
+        return self.deterministic_items
+
     def check_layout(self, context: WorkerContext) -> None:
         """Refuses a layout on which a rank would read nothing of a dataset that has
         items. An empty dataset reads as torch's ``DataLoader`` reads it: no batches.

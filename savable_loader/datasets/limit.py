@@ -4,13 +4,25 @@ NOTE [ Limit epochs ]
 A limited epoch is the first ``n`` items of the source's epoch. After the ``n``-th item
 the next ``next()`` calls the parent's ``end_epoch()``, so the source moves to its next
 epoch without reading the rest (an indexed source moves by arithmetic), and raises
-StopIteration. If the source's epoch ends first, the limited epoch ends with it. Like
-every stage, a Limit counts the items of its own cursor: one per rank and worker, before
-batching, so with ``W`` workers a rank's epoch has up to ``n * max(W, 1)`` items.
+StopIteration. If the source's epoch ends first, the limited epoch ends with it. Read stream
+by stream, a Limit counts the items of its own cursor: one per rank and worker, before
+batching, so with ``W`` workers a rank's epoch has up to ``n * max(W, 1)`` items; read by
+position, an epoch has ``n`` items in all (NOTE [ Limit by position ]).
 
 Over ``Repeat(source)`` (endless), ``end_epoch()`` leaves the endless stream where it
 stands (NOTE [ Ending an endless epoch ] in ``repeat.py``), so ``.repeat().limit(k)``
 cuts one endless stream into consecutive epochs of ``k`` items.
+
+NOTE [ Limit by position ]
+When the loader reads the pipeline by position (NOTE [ Pipelines read by position ] in
+``global_view.py``: every stage below the Limit can produce the item at any position of
+an epoch, as an ``IndexedDataset``, a map-style dataset, a token or table source, a map,
+a window shuffle, a counted repeat or a blend of such do), a limited epoch is the first
+``n`` positions of the source's epoch, shared out over ranks and workers as an
+``IndexedDataset``'s positions are: ``n`` items an epoch in all, whatever the layout, and
+the same global batches on every layout of one global batch size. A pipeline read stream
+by stream (over a ``Filter`` or a file source) counts ``n`` per stream, as NOTE [ Limit
+epochs ] says.
 
 NOTE [ Skipping a limit ]
 ``skip(k)`` passes ``m = min(k, n - count)`` items through the parent's ``skip``, which
@@ -37,7 +49,7 @@ starts the epoch as a fresh run does instead, without a quota (``_elastic.py``).
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import Field
 
@@ -59,7 +71,8 @@ class Limit(Transform[T]):
 
     Args:
         source: The stage (or dataset) to limit.
-        n: Items per epoch of each cursor (each rank and worker), at least 0.
+        n: Items per epoch, at least 0: in all when the pipeline is read by position,
+            else of each stream (rank and worker) (NOTE [ Limit by position ]).
 
     Raises:
         ConfigError: ``n`` is not an int of at least 0.
@@ -89,6 +102,19 @@ class Limit(Transform[T]):
     def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[T]:
         return _LimitCursor(self.n, parent, context)
 
+    def access(self, context: WorkerContext) -> _Head[T] | None:
+        """The first ``n`` positions of every epoch of a source read by position
+        (NOTE [ Limit by position ])."""
+        parent = self.source.access(context)
+        return None if parent is None else _Head(self.n, parent)
+
+    def reads_by_layout(self) -> bool:
+        """Read stream by stream, each stream takes ``n`` items."""
+        return True
+
+    def draws_nothing(self) -> bool:
+        return self.source.draws_nothing()
+
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         if not isinstance(state, dict) or "parent" not in state:
             return None
@@ -113,6 +139,24 @@ class Limit(Transform[T]):
         streams, index = plan.new.num_shards, plan.new.shard_index
         quota = left // streams + (1 if index < left % streams else 0)
         return {"parent": parent, "count": 0, "quota": quota}
+
+
+class _Head(Generic[T]):
+    """A limit's items by position: its source's first ``n`` (NOTE [ Limit by position ])."""
+
+    def __init__(self, n: int, parent: Any) -> None:
+        self.n, self.parent = n, parent
+
+    def length(self) -> int:
+        return min(self.n, int(self.parent.length()))
+
+    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
+        items: list[T] = self.parent.get_many(epoch, positions)
+        return items
+
+    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
+        keys: list[tuple[int, ...]] = self.parent.keys(epoch, positions)
+        return keys
 
 
 def _epoch_of(state: Any) -> int | None:

@@ -108,6 +108,13 @@ class Repeat(Transform[T]):
             return None
         return _Rounds(self.times, parent)
 
+    def reads_by_layout(self) -> bool:
+        """Counted passes are each stream's passes over its own shard."""
+        return self.times is not None or self.source.reads_by_layout()
+
+    def draws_nothing(self) -> bool:
+        return self.source.draws_nothing()
+
 
 class _Passes(StageState):
     passes: int = Field(ge=0, description="Source epochs completed in this Repeat epoch.")

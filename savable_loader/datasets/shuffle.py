@@ -135,6 +135,13 @@ class Shuffle(Transform[T]):
         parent = self.source.access(context)
         return None if parent is None else _Windows(self, parent)
 
+    def reads_by_layout(self) -> bool:
+        """A stream's windows hold what that stream read."""
+        return True
+
+    def draws_nothing(self) -> bool:
+        return self.source.draws_nothing()
+
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         """What the parent has left from the restore point, less the items of its window
         already emitted (NOTE [ Checking a replay ] in ``_compat.py``): every item the

@@ -214,6 +214,19 @@ class Stage(IterableDataset[T], abc.ABC):
         default) when it reads only as a stream."""
         return None
 
+    def reads_by_layout(self) -> bool:
+        """Whether this stage, read stream by stream, gives other global batches on
+        another layout (a window shuffle, a blend, a limit, a repeat of counted passes):
+        the loader then reads the pipeline by position when every stage of it has an
+        ``access`` (NOTE [ Pipelines read by position ] in ``global_view.py``)."""
+        return any(child.reads_by_layout() for child in self.children)
+
+    def draws_nothing(self) -> bool:
+        """Whether this stage's items are known to draw from no global generator
+        (``random``, NumPy's, torch's), so that a reader by position skips them without
+        reading them. False unless a stage says so: a user's function may draw."""
+        return False
+
     def unkeyed(self) -> str | None:
         """The description of a stage whose items have no key in the global stream (NOTE
         [ The cursor contract ] in ``cursor.py``), or None when every item has one."""
