@@ -34,18 +34,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, NoReturn, TypeVar, get_args
+from typing import Any, Generic, Literal, NoReturn, TypeVar, get_args
 
+import numpy as np
 from pydantic import Field
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import Purpose, generator_for
 from .adapt import as_stage
+from .blend_positions import BlendOrder, Segment, segments
 from .cursor import AnyState, Cursor, StageState
 from .stage import Stage, fluent
 
-__all__ = ["Blend"]
+__all__ = ["Blend", "Mixed"]
 
 T = TypeVar("T")
 
@@ -140,6 +142,26 @@ class Blend(Stage[T]):
     def cursor(self, context: WorkerContext) -> Cursor[T]:
         return _BlendCursor(self, context, [source.cursor(context) for source in self.sources])
 
+    def access(self, context: WorkerContext) -> Mixed[T] | None:
+        """Items by position when every source has them and the epoch ends (NOTE
+        [ Blend by position ] in ``blend_positions.py``)."""
+        return self.access_weighted(context, self.weights)
+
+    def access_weighted(self, context: WorkerContext, weights: list[float]) -> Mixed[T] | None:
+        """:meth:`access` with ``weights`` instead of the Blend's own."""
+        parents = [source.access(context) for source in self.sources]
+        if self.stop == "never" or any(parent is None for parent in parents):
+            return None
+        layout = segments([parent.length() for parent in parents], weights, self.stop)
+        return Mixed(self.seed, layout, parents)
+
+    def reads_by_layout(self) -> bool:
+        """Read stream by stream, each stream draws its own sources."""
+        return True
+
+    def draws_nothing(self) -> bool:
+        return all(source.draws_nothing() for source in self.sources)
+
     def checking_cursor(self, context: WorkerContext) -> Cursor[T]:
         """A Blend over sources that take any state (NOTE [ States checked at the door ]
         in ``stage.py``)."""
@@ -159,6 +181,40 @@ def _weights(weights: Sequence[float], count: int) -> list[float]:
             f"Blend weights must be finite, non-negative and not all zero, got {values}"
         )
     return values
+
+
+class Mixed(Generic[T]):
+    """A blend's items by position (NOTE [ Blend by position ] in ``blend_positions.py``)."""
+
+    def __init__(self, seed: int, layout: list[Segment], parents: list[Any]) -> None:
+        self.order = BlendOrder(seed, layout)
+        self.parents = parents
+
+    def length(self) -> int:
+        return self.order.length
+
+    def _by_source(self, epoch: int, positions: list[int]) -> list[tuple[int, Any, list[int]]]:
+        """(source, where in ``positions``, that source's positions) for each source."""
+        sources, places = self.order.locate(epoch, positions)
+        groups = []
+        for source in np.unique(sources).tolist():
+            where = np.flatnonzero(sources == source)
+            groups.append((source, where, places[where].tolist()))
+        return groups
+
+    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
+        out: list[Any] = [None] * len(positions)
+        for source, where, places in self._by_source(epoch, positions):
+            for n, item in zip(where, self.parents[source].get_many(epoch, places), strict=True):
+                out[n] = item
+        return out
+
+    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
+        out: list[tuple[int, ...]] = [()] * len(positions)
+        for source, where, places in self._by_source(epoch, positions):
+            for n, key in zip(where, self.parents[source].keys(epoch, places), strict=True):
+                out[n] = (source, *key)
+        return out
 
 
 class _BlendCursor(Cursor[T]):

@@ -4,22 +4,33 @@ NOTE [ Pipelines read by position ]
 A stage whose position in a stream depends on what that stream read (a window shuffle
 reads a window of its own stream's items) gives each layout other global batches. When
 every stage of a pipeline can produce the item at any position of an epoch (its
-:class:`Access`: a map-style source, a map, a window shuffle over positions, a repeat
-of a known number of passes), the loader reads the pipeline as one indexed source over
-those positions (:class:`GlobalView`): position ``p`` of epoch ``e`` is ``get(e, p)``,
-and the positions are shared out over ranks and workers exactly as an
-``IndexedDataset``'s (NOTE [ Indexed order and sharding ] in ``indexed.py``). The global
-batch of step ``j`` then holds positions ``[j G, (j + 1) G)`` of the epoch whatever the
-layout, a state is the view's two integers, and a restore onto another layout (another
-number of ranks, workers or another per-rank batch size) continues the same positions
-(NOTE [ Elastic indexed order ]).
+:class:`Access`: a map-style source, a map, a window shuffle over positions, a repeat of
+a known number of passes, a limit, a blend that ends), the loader reads the pipeline as
+one indexed source over those positions (:class:`GlobalView`): position ``p`` of epoch
+``e`` is ``get(e, p)``, and the positions are shared out over ranks and workers exactly
+as an ``IndexedDataset``'s (NOTE [ Indexed order and sharding ] in ``indexed.py``). The
+global batch of step ``j`` then holds positions ``[j G, (j + 1) G)`` of the epoch
+whatever the layout, a state is the view's two integers, and a restore onto another
+layout (another number of ranks, workers or another per-rank batch size) continues the
+same positions (NOTE [ Elastic indexed order ]).
 
-The view is taken only where a stage's stream reading depends on the layout (a
-``Shuffle``, a ``Repeat`` of counted passes); a pipeline without one reads as before,
+The view is taken only where a stage's stream reading depends on the layout
+(``Stage.reads_by_layout``: a ``Shuffle``, a ``Repeat`` of counted passes, a ``Limit``,
+a ``Blend``); a pipeline without one reads as before,
 its global batches already the same on every layout. A state saved by a version that
 read such a pipeline stream by stream (its state nests the stages' parts) is continued
 by that reading, for the rest of the run (``FRESH`` off reads fresh runs that way too,
 as those versions did).
+
+NOTE [ Blend weights by position ]
+A blend read by position lays each epoch out from its weights (NOTE [ Blend by
+position ] in ``blend_positions.py``), and the weights are not in the fingerprint, so
+the view's state records them: ``"weights"``, one list per blend, outermost first. A
+restore with other weights is refused unless that blend has ``allow_weight_change``;
+then the new weights take effect only for a stream that has consumed nothing of its
+epoch (a state saved between epochs), since positions already read were laid out with
+the old ones; a stream saved mid-epoch is refused, naming the fix. A restore onto
+another layout checks every saved stream so.
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ from typing import Any, Protocol, TypeVar
 
 from ..config import WorkerContext
 from ..errors import StateError
+from .blend import Blend
 from .cursor import Cursor
-from .elastic import ReshardPlan
+from .elastic import OldStream, ReshardPlan
 from .indexed import IndexedCursor, IndexedDataset
 from .stage import Stage
 
@@ -104,6 +116,48 @@ class GlobalView(IndexedDataset[T]):
             deterministic_items=pipeline.draws_nothing(),
         )
         self.pipeline = pipeline
+        #: The pipeline's blends, outermost first (NOTE [ Blend weights by position ]).
+        self.blends = _blends(pipeline)
+
+    def weights(self) -> list[list[float]]:
+        """Each blend's weights: what a state records of them."""
+        return [list(blend.weights) for blend in self.blends]
+
+    def own_part(self, state: Any) -> Any:
+        """``state`` without the blends' weights, which it checks against the pipeline's
+        (NOTE [ Blend weights by position ]).
+
+        Raises:
+            StateError: The weights are malformed, or differ where they cannot.
+        """
+        if not self.blends or not isinstance(state, dict):
+            return state
+        part = {key: value for key, value in state.items() if key != "weights"}
+        saved: Any = state.get("weights")  # its shape is checked below
+        current = self.weights()
+        if not _weights_shaped(saved, current):
+            raise StateError(
+                f"{self.describe()}: malformed state (weights: expected one list of "
+                f"{[len(w) for w in current]} non-negative numbers per blend, got "
+                f"{saved!r}); restore a state saved by the same pipeline"
+            )
+        for blend, before, now in zip(self.blends, saved, current, strict=True):
+            if [float(w) for w in before] == now:
+                continue
+            if not blend.allow_weight_change:
+                raise StateError(
+                    f"Blend: the state was saved with weights {before} but this Blend has "
+                    f"weights {now}; pass allow_weight_change=True to apply the new "
+                    "weights from the restored position on"
+                )
+            if part.get("pos") or part.get("done") or part.get("done_below"):
+                raise StateError(
+                    f"Blend: the weights changed from {before} to {now} in the middle of "
+                    "an epoch, which this pipeline lays out from the weights (it is read "
+                    "by position); restore this state with the weights it was saved with, "
+                    "and change them in a state saved between epochs"
+                )
+        return part
 
     def config(self) -> dict[str, Any]:
         return self.pipeline.config()
@@ -133,7 +187,7 @@ class GlobalView(IndexedDataset[T]):
         if _by_stream(state):
             return self.pipeline.items_left(state, context)
         cursor = _ByPosition(self, context)
-        cursor.restore(state)
+        cursor.restore(self.own_part(state))
         return cursor.shard_length - cursor.pos
 
     def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
@@ -143,7 +197,9 @@ class GlobalView(IndexedDataset[T]):
                 "pipeline stream by stream, which cannot move to another layout; restore it "
                 "on the number of workers and ranks it was saved with"
             )
-        return super().reshard(plan)
+        old = tuple(OldStream(stream.context, self.own_part(stream.state)) for stream in plan.old)
+        state = super().reshard(ReshardPlan(plan.epoch, old, plan.new, plan.salt, plan.shared))
+        return {**state, "weights": self.weights()} if self.blends else state
 
 
 def _even(pipeline: Stage[Any]) -> Any:
@@ -153,6 +209,28 @@ def _even(pipeline: Stage[Any]) -> Any:
     for child in pipeline.children:
         return _even(child)
     return "pad"
+
+
+def _blends(stage: Stage[Any]) -> list[Blend[Any]]:
+    """The blends of a pipeline, each before those of its sources."""
+    own = [stage] if isinstance(stage, Blend) else []
+    return own + [blend for child in stage.children for blend in _blends(child)]
+
+
+def _weights_shaped(saved: Any, current: list[list[float]]) -> bool:
+    """Whether ``saved`` holds, per blend, as many non-negative numbers as ``current``."""
+    return (
+        isinstance(saved, list)
+        and len(saved) == len(current)
+        and all(
+            isinstance(weights, list)
+            and len(weights) == len(now)
+            and all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights
+            )
+            for weights, now in zip(saved, current, strict=False)
+        )
+    )
 
 
 def _by_stream(state: Any) -> bool:
@@ -225,7 +303,10 @@ class _ViewCursor(Cursor[T]):
         return next(self.inner)
 
     def own_state(self) -> Any:
-        return self.inner.state()
+        state = self.inner.state()
+        if isinstance(self.inner, _ByPosition) and self.stage.blends:
+            return {**state, "weights": self.stage.weights()}
+        return state
 
     def restore_own(self, state: Any | None) -> None:
         if _by_stream(state):
@@ -234,10 +315,12 @@ class _ViewCursor(Cursor[T]):
             if inner is None and self.checking:
                 return  # only the pipeline's own cursors read such a state
             self.inner = inner or pipeline.cursor(self.context)
-        elif not isinstance(self.inner, _ByPosition):
+            self.inner.restore(state)
+            return
+        if not isinstance(self.inner, _ByPosition):
             self.inner.close()
             self.inner = _ByPosition(self.stage, self.context)
-        self.inner.restore(state)
+        self.inner.restore(self.stage.own_part(state))
 
     def skip_fast(self, n: int) -> int:
         return self.inner.skip(n)

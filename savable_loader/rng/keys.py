@@ -73,6 +73,12 @@ class Purpose(enum.IntEnum):
     WINDOW_POSITIONS = 0x5F2
     #: A blend's draws, a block of positions at a time: keys (rank, worker, epoch, block).
     BLEND_DRAW = 0xB1E
+    #: How a blend read by position splits a run of positions' sources in two: keys
+    #: (epoch, segment, first position, positions).
+    BLEND_SPLIT = 0xB1F
+    #: The order of the sources over one leaf of such a split: keys (epoch, segment,
+    #: first position).
+    BLEND_LEAF = 0xB20
     #: A seeded map's generator for an item without a global key: keys (rank, worker,
     #: epoch, position[, salt]).
     MAP_STREAM_ITEM = 0x3A9
