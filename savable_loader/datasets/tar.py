@@ -16,10 +16,20 @@ and the byte offset of the next sample's first tar header in the decompressed fi
 A sample is complete only once the header of the next member shows another key, so
 the cursor keeps that member (its header read, its data not yet) for the next sample,
 and ``offset`` points at that header. Restoring opens the file, seeks to ``offset``
-(decompressing up to it for a compressed shard) and reads on with
-``tarfile.open(fileobj=..., mode="r|")``, a stream that starts there: member offsets
-are relative to the stream's start, so the cursor adds where it started. After a
-shard's last sample the position moves to the start of the next shard at once.
+(decompressing up to it for a compressed shard) and reads on from there (NOTE
+[ Reading a local shard ]). After a shard's last sample the position moves to the start
+of the next shard at once.
+
+NOTE [ Reading a local shard ]
+A shard read as stored from an operating system's file (a local path, or a remote
+shard's copy in the cache) is opened with ``tarfile.open(fileobj=..., mode="r:")``,
+which reads each header with one ``read`` and each member's data straight from the file;
+its member offsets count from the start of the file. Any other shard (compressed, or
+streamed from a store) is read with ``mode="r|"``, a stream that starts at ``offset``,
+copying through a 10 KB buffer; its member offsets count from the stream's start, so the
+cursor adds where it started. Reading 2,000 samples of two members (100 KB and 1 byte)
+on one pinned core without workers, the first way took 163 us of CPU per sample against
+206 us (medians of 6 alternated rounds).
 """
 
 from __future__ import annotations
@@ -163,12 +173,15 @@ class TarCursor(ShardCursor[dict[str, Any]]):
         return member
 
     def _open(self, url: str) -> None:
-        """Opens the shard at ``offset`` as a tar stream; an empty file has none."""
+        """Opens the shard at ``offset``; an empty file has none (NOTE [ Reading a local
+        shard ])."""
         file = self.open_file(url)
-        self._base = self.offset
+        seek = get_compression(url, "infer") is None and _has_fileno(file)
+        # A seekable tar's member offsets count from the start of the file already.
+        self._base = 0 if seek else self.offset
         with storage_errors(url):
             try:
-                self._tar = tarfile.open(fileobj=file, mode="r|")  # noqa: SIM115 (kept open)
+                self._tar = tarfile.open(fileobj=file, mode="r:" if seek else "r|")  # noqa: SIM115
             except tarfile.ReadError as exc:
                 if str(exc) != "empty file":
                     raise
