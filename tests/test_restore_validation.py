@@ -71,6 +71,8 @@ PIPELINES: dict[str, Build] = {
     "seeded map": lambda folder: IndexedDataset(DATA).map(_noisy, seed=3),
     "jsonl files": lambda folder: JsonLinesSource(str(folder / "*.jsonl"), split="files"),
     "jsonl samples": lambda folder: JsonLinesSource(str(folder / "*.jsonl")),
+    # Read by position (NOTE [ File sources by position ] in datasets/file_positions.py).
+    "jsonl global": lambda folder: JsonLinesSource(str(folder / "*.jsonl"), split="global"),
     # Over a filter, a repeat reads as a stream (its own state).
     "repeat": lambda folder: IndexedDataset(DATA).filter(KEEP).repeat(2),
     # Over a filter, a limit counts per stream (its own state); over a map-style dataset

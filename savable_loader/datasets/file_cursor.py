@@ -92,6 +92,9 @@ class ShardCursor(Cursor[T]):
         self.check_files = False
         #: The key of the item ``next()`` last returned (:meth:`item_key`).
         self._key: tuple[int, ...] | None = None
+        #: Whether opening a file starts downloading the stream's next ones (a reader
+        #: by position, NOTE [ File sources by position ], does not know them).
+        self.prefetching = True
         if stage.split == "files" and context.shard_index >= len(stage.urls):
             logger.warning(
                 "%s: %d files for %d streams (%d ranks x %d workers): rank %d worker %d "
@@ -154,7 +157,16 @@ class ShardCursor(Cursor[T]):
         if self.taken >= len(run):
             self.end_epoch()
             raise StopIteration
-        place, index = run.target(self.taken)
+        return self.read_at(*run.target(self.taken))
+
+    def read_at(self, place: int, index: int) -> T:
+        """Sample ``index`` of file ``place`` of this cursor's epoch, read on from where
+        the cursor stands in that file (passing the samples before it), or from the
+        file's start when it stands elsewhere.
+
+        Raises:
+            StorageError: The file ended before that sample: it changed since counted.
+        """
         if self.place != place or self.at > index:
             self.move_to(place)
         url = self._url(place)
@@ -165,8 +177,9 @@ class ShardCursor(Cursor[T]):
         before = self.at
         item = self._read_sample(url) if self.at == index else None
         if item is None:
+            counted = self.stage.sample_counts()[self.stage.order(self.epoch)[place]]
             raise StorageError(
-                f"{url} ended after {before} samples, fewer than the {run.count(place)} "
+                f"{url} ended after {before} samples, fewer than the {counted} "
                 "counted when the loader started; the file changed while the job ran"
             )
         return item
@@ -293,7 +306,7 @@ class ShardCursor(Cursor[T]):
                     raise
             self.file = file
             # After the open: its first bytes do not share the store with the files ahead.
-            if self.stage.cache_dir is not None and self.stage.prefetch:
+            if self.stage.cache_dir is not None and self.stage.prefetch and self.prefetching:
                 self.stage.prefetch_files(self.upcoming())
         return self.file
 

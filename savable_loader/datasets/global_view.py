@@ -38,10 +38,11 @@ from __future__ import annotations
 from typing import Any, Protocol, TypeVar
 
 from ..config import WorkerContext
-from ..errors import StateError
+from ..errors import ConfigError, StateError
 from .blend import Blend
 from .cursor import Cursor
 from .elastic import OldStream, ReshardPlan
+from .file_positions import laid_out_for, lanes_of
 from .indexed import IndexedCursor, IndexedDataset
 from .stage import Stage
 
@@ -79,6 +80,14 @@ def global_view(stage: Stage[T]) -> Stage[T]:
         return stage
     probe = WorkerContext(0, 1, 0, 0, 0, None)
     if stage.access(probe) is None:
+        needs = stage.needs_positions()
+        if needs is not None:
+            raise ConfigError(
+                f"{needs} is read by position (split='global'), which needs every stage "
+                f"of {stage.describe()} to read by position too, and one reads only as a "
+                "stream (a filter, a blend with stop='never', an endless repeat, your own "
+                "dataset); use split='samples' there, or move that stage out of the pipeline"
+            )
         return stage
     return GlobalView(stage)
 
@@ -118,6 +127,9 @@ class GlobalView(IndexedDataset[T]):
         self.pipeline = pipeline
         #: The pipeline's blends, outermost first (NOTE [ Blend weights by position ]).
         self.blends = _blends(pipeline)
+        #: Whether a state records the global batch size its epoch is laid out for
+        #: (NOTE [ File sources by position ] in ``file_positions.py``).
+        self.lanes_kept = pipeline.needs_positions() is not None
 
     def weights(self) -> list[list[float]]:
         """Each blend's weights: what a state records of them."""
@@ -130,10 +142,39 @@ class GlobalView(IndexedDataset[T]):
         Raises:
             StateError: The weights are malformed, or differ where they cannot.
         """
-        if not self.blends or not isinstance(state, dict):
+        if not (self.blends or self.lanes_kept) or not isinstance(state, dict):
             return state
-        part = {key: value for key, value in state.items() if key != "weights"}
-        saved: Any = state.get("weights")  # its shape is checked below
+        part = {key: value for key, value in state.items() if key not in ("weights", "lanes")}
+        if self.lanes_kept:
+            lanes = state.get("lanes")
+            if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+                raise StateError(
+                    f"{self.describe()}: malformed state (lanes: expected the global batch "
+                    f"size its epoch was laid out for, an int of at least 1, got {lanes!r}); "
+                    "restore a state saved by the same pipeline"
+                )
+        if self.blends:
+            self._check_weights(state.get("weights"), part)
+        return part
+
+    def saved_lanes(self, state: Any) -> int | None:
+        """The global batch size ``state``'s epoch is laid out for, when it records one."""
+        if not self.lanes_kept or not isinstance(state, dict):
+            return None
+        lanes = state.get("lanes")
+        return lanes if isinstance(lanes, int) else None
+
+    def extra_state(self, lanes: int) -> dict[str, Any]:
+        """What the view adds to its position in a state: the blends' weights, the lanes."""
+        extra: dict[str, Any] = {}
+        if self.blends:
+            extra["weights"] = self.weights()
+        if self.lanes_kept:
+            extra["lanes"] = lanes
+        return extra
+
+    def _check_weights(self, saved: Any, part: dict[str, Any]) -> None:
+        """Refuses weights that differ from the pipeline's where they cannot."""
         current = self.weights()
         if not _weights_shaped(saved, current):
             raise StateError(
@@ -157,7 +198,6 @@ class GlobalView(IndexedDataset[T]):
                     "by position); restore this state with the weights it was saved with, "
                     "and change them in a state saved between epochs"
                 )
-        return part
 
     def config(self) -> dict[str, Any]:
         return self.pipeline.config()
@@ -199,7 +239,21 @@ class GlobalView(IndexedDataset[T]):
             )
         old = tuple(OldStream(stream.context, self.own_part(stream.state)) for stream in plan.old)
         state = super().reshard(ReshardPlan(plan.epoch, old, plan.new, plan.salt, plan.shared))
-        return {**state, "weights": self.weights()} if self.blends else state
+        return {**state, **self.extra_state(self._resumed_lanes(plan, old))}
+
+    def _resumed_lanes(self, plan: ReshardPlan, parts: tuple[OldStream, ...]) -> int:
+        """The global batch size the resumed epoch is laid out for: the saved one once a
+        saved stream read some of it, else the new layout's."""
+        saved = {
+            lanes for stream in plan.old if (lanes := self.saved_lanes(stream.state)) is not None
+        }
+        if len(saved) > 1:
+            raise StateError(
+                f"{self.describe()}: the saved streams' epochs are laid out for global batch "
+                f"sizes {sorted(saved)}; restore states saved by one job"
+            )
+        began = any(_began(stream.state, plan.epoch) for stream in parts)
+        return saved.pop() if saved and began else lanes_of(plan.new)
 
 
 def _even(pipeline: Stage[Any]) -> Any:
@@ -233,6 +287,27 @@ def _weights_shaped(saved: Any, current: list[list[float]]) -> bool:
     )
 
 
+def _began(part: Any, epoch: int) -> bool:
+    """Whether a stream's position (the view's part of its state) read some of ``epoch``."""
+    return (
+        isinstance(part, dict)
+        and part.get("epoch") == epoch
+        and bool(part.get("pos") or part.get("done") or part.get("done_below"))
+    )
+
+
+def _close_access(access: Any) -> None:
+    """Closes what an access and the accesses it reads through hold open (the readers of
+    a file source by position)."""
+    close = getattr(access, "close", None)
+    if callable(close):
+        close()
+    parents = [getattr(access, "parent", None), *getattr(access, "parents", ())]
+    for parent in parents:
+        if parent is not None:
+            _close_access(parent)
+
+
 def _by_stream(state: Any) -> bool:
     """Whether ``state`` nests the stages' parts: saved by a stream-by-stream reading."""
     return isinstance(state, dict) and ("parent" in state or "sources" in state)
@@ -243,20 +318,47 @@ class _ByPosition(IndexedCursor[T]):
 
     def __init__(self, stage: GlobalView[T], context: WorkerContext) -> None:
         super().__init__(stage, context)
+        self.pipeline = stage.pipeline
         access = stage.pipeline.access(context)
         assert access is not None  # GlobalView checked it
         self.access: Access[T] = access
+        #: ``(epoch, lanes, access)`` of an epoch laid out for another global batch size
+        #: than this layout's (NOTE [ File sources by position ] in ``file_positions.py``).
+        self.resumed: tuple[int, int, Access[T]] | None = None
+
+    def lay_out(self, lanes: int | None) -> None:
+        """Reads the rest of the restored epoch as laid out for ``lanes``."""
+        if self.resumed is not None:
+            _close_access(self.resumed[2])
+            self.resumed = None
+        if lanes is not None and lanes != lanes_of(self.context):
+            access = self.pipeline.access(laid_out_for(self.context, lanes))
+            assert access is not None  # as the pipeline's own
+            self.resumed = (self.epoch, lanes, access)
+
+    def current(self) -> tuple[int, Access[T]]:
+        """The lanes of this epoch and the access that reads it."""
+        if self.resumed is not None and self.resumed[0] == self.epoch:
+            return self.resumed[1], self.resumed[2]
+        return lanes_of(self.context), self.access
 
     def item(self, index: int) -> T:
-        (item,) = self.access.get_many(self.epoch, [index])
+        (item,) = self.current()[1].get_many(self.epoch, [index])
         return item
+
+    def close_own(self) -> None:
+        _close_access(self.access)
+        if self.resumed is not None:
+            _close_access(self.resumed[2])
+        super().close_own()
 
     def take(self, n: int) -> list[T]:
         """The next ``n`` positions' items, read through the access at once."""
         pos = self.pos
         stop = min(pos + n, self.shard_length)
         self.pos = stop  # before the reads, as a map-style dataset's (NOTE [ Going on ...])
-        items = self.access.get_many(self.epoch, self._cached(pos, stop)) if stop > pos else []
+        access = self.current()[1]
+        items = access.get_many(self.epoch, self._cached(pos, stop)) if stop > pos else []
         if stop - pos < n:
             self.end_epoch()
         return items
@@ -304,8 +406,8 @@ class _ViewCursor(Cursor[T]):
 
     def own_state(self) -> Any:
         state = self.inner.state()
-        if isinstance(self.inner, _ByPosition) and self.stage.blends:
-            return {**state, "weights": self.stage.weights()}
+        if isinstance(self.inner, _ByPosition):
+            return {**state, **self.stage.extra_state(self.inner.current()[0])}
         return state
 
     def restore_own(self, state: Any | None) -> None:
@@ -321,6 +423,7 @@ class _ViewCursor(Cursor[T]):
             self.inner.close()
             self.inner = _ByPosition(self.stage, self.context)
         self.inner.restore(self.stage.own_part(state))
+        self.inner.lay_out(self.stage.saved_lanes(state))
 
     def skip_fast(self, n: int) -> int:
         return self.inner.skip(n)

@@ -63,6 +63,7 @@ from .counts_file import write_counts as write_counts_file
 from .cursor import Cursor, validate_state
 from .elastic import ReshardPlan
 from .file_access import FileAccess
+from .file_positions import FilePositions
 from .file_rest import Rest, ShardState, reshard_files
 from .files import Urls, expand_urls, storage_errors
 from .index_order import Even, epoch_length
@@ -79,7 +80,7 @@ T = TypeVar("T")
 _COUNTING_THREADS = 8
 
 #: How a file source shares an epoch out over streams (NOTE [ Shard listing and assignment ]).
-Split = Literal["samples", "files"]
+Split = Literal["samples", "files", "global"]
 
 
 class ShardedSource(FileAccess, Stage[T]):
@@ -144,8 +145,8 @@ class ShardedSource(FileAccess, Stage[T]):
             raise ConfigError(f"{name} shuffle_shards must be a bool, got {shuffle_shards!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ConfigError(f"{name} seed must be an int, got {seed!r}")
-        if split not in ("samples", "files"):
-            raise ConfigError(f'{name} split must be "samples" or "files", got {split!r}')
+        if split not in ("samples", "files", "global"):
+            raise ConfigError(f'{name} split must be "samples", "files" or "global", got {split!r}')
         if even not in ("pad", "drop"):
             raise ConfigError(f'{name} even must be "pad" or "drop", got {even!r}')
         if counts is not None and not isinstance(counts, str | os.PathLike):
@@ -184,7 +185,10 @@ class ShardedSource(FileAccess, Stage[T]):
             self.listed = {url: signature_of(info) for url, info in listed.items()}
         self.shuffle_shards = shuffle_shards
         self.seed = seed
-        self.split: Split = split
+        #: ``split="global"``: read by position (NOTE [ File sources by position ] in
+        #: ``file_positions.py``); its cursor reads as ``split="samples"`` otherwise.
+        self.by_position = split == "global"
+        self.split: Split = "samples" if split == "global" else split
         self.even: Even = even
         self._counts: tuple[int, ...] | None = None
 
@@ -196,7 +200,7 @@ class ShardedSource(FileAccess, Stage[T]):
             "seed": self.seed,
         }
         if self.split == "samples":  # NOTE [ Shard listing and assignment ]
-            config["split"] = "samples"
+            config["split"] = "global" if self.by_position else "samples"
         if self.even != "pad":
             config["even"] = self.even
         return config
@@ -205,6 +209,7 @@ class ShardedSource(FileAccess, Stage[T]):
         count = f"{len(self.urls)} file{'' if len(self.urls) == 1 else 's'}"
         shuffled = f", shuffle_shards=True, seed={self.seed}" if self.shuffle_shards else ""
         split = ', split="files"' if self.split == "files" else ""
+        split = ', split="global"' if self.by_position else split
         even = f", even={self.even!r}" if self.even != "pad" else ""
         return f"{type(self).__name__}({count}{shuffled}{split}{even})"
 
@@ -318,6 +323,8 @@ class ShardedSource(FileAccess, Stage[T]):
                 files, samples and streams, and the fix.
             StorageError: Counting the samples failed.
         """
+        if self.by_position:
+            return  # the positions are checked as an IndexedDataset's (GlobalView)
         if self.split == "samples":
             if context.num_shards > 1:
                 self._check_samples(context)
@@ -365,6 +372,21 @@ class ShardedSource(FileAccess, Stage[T]):
             f"worker{'s' * (blocks != 1)} per rank (num_workers={blocks}){smaller} or more "
             "samples"
         )
+
+    def access(self, context: WorkerContext) -> FilePositions[T] | None:
+        """The samples by position with ``split="global"`` (NOTE [ File sources by
+        position ] in ``file_positions.py``); else None."""
+        return FilePositions(self, context) if self.by_position else None
+
+    def reads_by_layout(self) -> bool:
+        return self.by_position
+
+    def needs_positions(self) -> str | None:
+        return self.describe() if self.by_position else None
+
+    def draws_nothing(self) -> bool:
+        """Reading a file draws from no global generator."""
+        return True
 
     def order(self, epoch: int) -> list[int]:
         """Indices into ``urls`` of the files of ``epoch``, in the epoch's order."""

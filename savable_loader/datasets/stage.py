@@ -221,6 +221,16 @@ class Stage(IterableDataset[T], abc.ABC):
         ``access`` (NOTE [ Pipelines read by position ] in ``global_view.py``)."""
         return any(child.reads_by_layout() for child in self.children)
 
+    def needs_positions(self) -> str | None:
+        """The description of a stage that reads only by position (a file source with
+        ``split="global"``), or None: the loader refuses such a pipeline when another
+        stage of it reads only as a stream."""
+        for child in self.children:
+            problem = child.needs_positions()
+            if problem is not None:
+                return problem
+        return None
+
     def draws_nothing(self) -> bool:
         """Whether this stage's items are known to draw from no global generator
         (``random``, NumPy's, torch's), so that a reader by position skips them without
