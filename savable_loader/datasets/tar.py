@@ -157,6 +157,24 @@ class TarCursor(ShardCursor[dict[str, Any]]):
                 raise ConfigError(f"{url}: sample {key!r} holds {ext!r} twice")
             sample[ext] = self._read(url, member)
 
+    def pass_item(self, url: str) -> bool:
+        """Moves past the next sample reading only its members' headers (a local shard
+        then seeks past their data, NOTE [ Reading a local shard ]); False: none is left."""
+        key = None
+        while True:
+            member = self._member(url)
+            if member is None:
+                self.file_done = True
+                return key is not None
+            name, _ = _split(member.name)
+            if not member.isreg() or not name:
+                continue
+            if key is not None and name != key:
+                self._pending = member
+                self.offset = self._base + member.offset
+                return True
+            key = name
+
     def _member(self, url: str) -> tarfile.TarInfo | None:
         """The next member of the shard (the kept one first), or None at its end."""
         member, self._pending = self._pending, None
