@@ -17,7 +17,7 @@ import pytest
 
 from savable_loader import SavableDataLoader, StateError, StateMismatchError, WorkerConfig
 from savable_loader.datasets import Blend, IndexedDataset, TokenSource
-from savable_loader.datasets.blend_positions import LEAF, BlendOrder, segments
+from savable_loader.datasets.blend_positions import BLOCK, LEAF, BlendOrder, block_counts, segments
 from savable_loader.testing import Shape, assert_elastic, assert_resumes_exactly
 
 SEED = 11
@@ -198,3 +198,44 @@ def test_a_position_of_a_trillion_item_epoch_is_found_without_walking_it():
     assert all(
         0 <= p < (10**12 if s == 0 else 3 * 10**11) for s, p in zip(sources, places, strict=True)
     )
+
+
+# -- endless streams under a limit (NOTE [ Endless streams by position ]) ------------------
+
+
+def test_an_endless_blend_under_a_limit_is_read_by_position_on_every_layout():
+    def build() -> Any:
+        a = IndexedDataset(list(range(30)), shuffle=True, seed=1).map(_augment, seed=4)
+        b = IndexedDataset(list(range(100, 111))).map(_augment, seed=4)
+        return Blend([a, b], weights=[2, 1], seed=3, stop="never").limit(16)
+
+    report = assert_elastic(_builder(build), LAYOUTS, epochs=3, save_steps=[1, 3, 5])
+    assert report.steps == (2, 2, 2)
+
+
+def test_an_endless_repeat_under_a_limit_cuts_one_stream_into_epochs_on_every_layout():
+    def build() -> Any:
+        return IndexedDataset(list(range(12)), shuffle=True, seed=1).repeat().limit(8)
+
+    report = assert_elastic(_builder(build), LAYOUTS, epochs=3, save_steps=[0, 2, 4])
+    assert report.steps == (1, 1, 1)
+    with SavableDataLoader(build(), batch_size=None) as loader:
+        epochs = [[int(x) for x in loader] for _ in range(3)]
+    with SavableDataLoader(IndexedDataset(list(range(12)), shuffle=True, seed=1)) as whole:
+        stream = [int(x) for _ in range(2) for x in whole]
+    assert [x for epoch in epochs for x in epoch] == stream  # consecutive cuts of the passes
+
+
+def test_an_endless_pipeline_without_a_limit_is_read_as_a_stream():
+    blend = Blend(
+        [IndexedDataset([1, 2]), IndexedDataset([3])], weights=[1, 1], seed=0, stop="never"
+    )
+    with SavableDataLoader(blend, batch_size=2) as loader:
+        assert type(loader._pipeline.root.source).__name__ == "Blend"
+
+
+def test_an_endless_blocks_counts_hold_the_weights_to_one_item():
+    counts = block_counts([0.7, 0.2, 0.1, 0.0])
+    assert sum(counts) == BLOCK
+    assert counts[3] == 0
+    assert all(abs(c - BLOCK * w) <= 1 for c, w in zip(counts, [0.7, 0.2, 0.1, 0.0], strict=True))

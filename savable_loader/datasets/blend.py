@@ -43,11 +43,11 @@ from ..config import WorkerContext
 from ..errors import ConfigError, StateError
 from ..rng import Purpose, generator_for
 from .adapt import as_stage
-from .blend_positions import BlendOrder, Segment, segments
+from .blend_positions import BLOCK, BlendOrder, Segment, block_counts, segments
 from .cursor import AnyState, Cursor, StageState
 from .stage import Stage, fluent
 
-__all__ = ["Blend", "Mixed"]
+__all__ = ["Blend", "EndlessMixed", "Mixed"]
 
 T = TypeVar("T")
 
@@ -142,16 +142,20 @@ class Blend(Stage[T]):
     def cursor(self, context: WorkerContext) -> Cursor[T]:
         return _BlendCursor(self, context, [source.cursor(context) for source in self.sources])
 
-    def access(self, context: WorkerContext) -> Mixed[T] | None:
+    def access(self, context: WorkerContext) -> Mixed[T] | EndlessMixed[T] | None:
         """Items by position when every source has them and the epoch ends (NOTE
         [ Blend by position ] in ``blend_positions.py``)."""
         return self.access_weighted(context, self.weights)
 
-    def access_weighted(self, context: WorkerContext, weights: list[float]) -> Mixed[T] | None:
+    def access_weighted(
+        self, context: WorkerContext, weights: list[float]
+    ) -> Mixed[T] | EndlessMixed[T] | None:
         """:meth:`access` with ``weights`` instead of the Blend's own."""
         parents = [source.access(context) for source in self.sources]
-        if self.stop == "never" or any(parent is None for parent in parents):
+        if any(parent is None or parent.length() is None for parent in parents):
             return None
+        if self.stop == "never":
+            return EndlessMixed(self.seed, weights, parents)
         layout = segments([parent.length() for parent in parents], weights, self.stop)
         return Mixed(self.seed, layout, parents)
 
@@ -213,6 +217,49 @@ class Mixed(Generic[T]):
         out: list[tuple[int, ...]] = [()] * len(positions)
         for source, where, places in self._by_source(epoch, positions):
             for n, key in zip(where, self.parents[source].keys(epoch, places), strict=True):
+                out[n] = (source, *key)
+        return out
+
+
+class EndlessMixed(Generic[T]):
+    """An endless blend's items by position (NOTE [ Endless blends by position ] in
+    ``blend_positions.py``): one epoch, 0, that never ends."""
+
+    def __init__(self, seed: int, weights: list[float], parents: list[Any]) -> None:
+        self.counts = block_counts(weights)
+        self.order = BlendOrder(seed, [Segment(0, self.counts, (0,) * len(weights))])
+        self.parents = parents
+        self.sizes = [int(parent.length()) for parent in parents]
+
+    def length(self) -> None:
+        return None
+
+    def _by_source(self, positions: list[int]) -> list[tuple[int, int, list[int], list[int]]]:
+        """(source, its epoch, where in ``positions``, its positions) runs, in order."""
+        runs: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for n, position in enumerate(positions):
+            block, offset = divmod(position, BLOCK)
+            sources, places = self.order.locate(block, [offset])
+            source = int(sources[0])
+            draw = block * self.counts[source] + int(places[0])
+            epoch, place = divmod(draw, self.sizes[source])
+            where, places_run = runs.setdefault((source, epoch), ([], []))
+            where.append(n)
+            places_run.append(place)
+        return [(s, e, where, run) for (s, e), (where, run) in runs.items()]
+
+    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
+        out: list[Any] = [None] * len(positions)
+        for source, source_epoch, where, places in self._by_source(positions):
+            items = self.parents[source].get_many(source_epoch, places)
+            for n, item in zip(where, items, strict=True):
+                out[n] = item
+        return out
+
+    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
+        out: list[tuple[int, ...]] = [()] * len(positions)
+        for source, source_epoch, where, places in self._by_source(positions):
+            for n, key in zip(where, self.parents[source].keys(source_epoch, places), strict=True):
                 out[n] = (source, *key)
         return out
 

@@ -27,7 +27,14 @@ positions were read. The ``k``-th item of source ``i`` in the epoch is position 
 that source's same epoch, read through its own access; the key of a position's item is
 ``(i, *that item's key)``, as in a Blend read stream by stream.
 
-``stop="never"`` has no end to lay out: such a Blend is read stream by stream.
+NOTE [ Endless blends by position ]
+A blend with ``stop="never"`` has one endless epoch (under a ``Limit``, which cuts it
+into epochs of ``n`` positions, NOTE [ Limit by position ] in ``limit.py``). It is laid
+out in blocks of :data:`BLOCK` positions, each holding the same number of items of every
+source, the weights' shares of the block to one item (largest remainders, ties to the
+lower index), in the order of a split tree keyed by the block's index. The ``k``-th item
+drawn from a source of ``L`` items per epoch is its position ``k mod L`` of its epoch
+``k // L``: a source restarts as it ends, as a Blend read stream by stream restarts it.
 """
 
 from __future__ import annotations
@@ -40,10 +47,12 @@ import numpy as np
 
 from ..rng import Purpose, generator_for
 
-__all__ = ["LEAF", "BlendOrder", "Segment", "segments"]
+__all__ = ["BLOCK", "LEAF", "BlendOrder", "Segment", "block_counts", "segments"]
 
 #: Positions of a leaf of the split tree: the unit read and cached at once.
 LEAF = 1024
+#: Positions of a block of an endless blend (NOTE [ Endless blends by position ]).
+BLOCK = 4 * LEAF
 _KEPT_LEAVES = 8
 _EXACT = 10**9
 
@@ -85,6 +94,18 @@ def segments(lengths: Sequence[int], weights: Sequence[float], stop: str) -> lis
             break
         playing = [i for i in playing if left[i] > 0]
     return found
+
+
+def block_counts(weights: Sequence[float]) -> tuple[int, ...]:
+    """Each source's items in a block of an endless blend: the weights' shares of
+    :data:`BLOCK`, to one item (NOTE [ Endless blends by position ])."""
+    total = sum(weights)
+    shares = [BLOCK * weight / total for weight in weights]
+    counts = [int(share) for share in shares]
+    by_remainder = sorted(range(len(shares)), key=lambda i: (counts[i] - shares[i], i))
+    for i in by_remainder[: BLOCK - sum(counts)]:
+        counts[i] += 1
+    return tuple(counts)
 
 
 class BlendOrder:

@@ -16,11 +16,21 @@ same positions (NOTE [ Elastic indexed order ]).
 
 The view is taken only where a stage's stream reading depends on the layout
 (``Stage.reads_by_layout``: a ``Shuffle``, a ``Repeat`` of counted passes, a ``Limit``,
-a ``Blend``); a pipeline without one reads as before,
+a ``Blend``, a file source with ``split="global"``, NOTE [ File sources by position ] in
+``file_positions.py``); a pipeline without one reads as before,
 its global batches already the same on every layout. A state saved by a version that
 read such a pipeline stream by stream (its state nests the stages' parts) is continued
 by that reading, for the rest of the run (``FRESH`` off reads fresh runs that way too,
 as those versions did).
+
+NOTE [ Endless streams by position ]
+An endless ``Repeat`` or a ``Blend`` with ``stop="never"`` over stages read by position
+has an access too, of one epoch, 0, that never ends (its ``length()`` is None): an
+endless repeat's passes follow one another, an endless blend is laid out block by block
+(NOTE [ Endless blends by position ] in ``blend_positions.py``), a map or window shuffle
+over them is endless too. The loader reads such a pipeline by position only under a
+``Limit``, whose epoch ``e`` is the endless stream's positions ``[e n, (e + 1) n)``; an
+endless pipeline without one is read stream by stream.
 
 NOTE [ Blend weights by position ]
 A blend read by position lays each epoch out from its weights (NOTE [ Blend by
@@ -58,8 +68,9 @@ FRESH = True
 class Access(Protocol[T]):
     """A stage's items by position (NOTE [ Pipelines read by position ])."""
 
-    def length(self) -> int:
-        """Items in every epoch."""
+    def length(self) -> int | None:
+        """Items in every epoch; None: an endless stream, whose one epoch, 0, never
+        ends (NOTE [ Endless streams by position ])."""
         ...
 
     def get_many(self, epoch: int, positions: list[int]) -> list[T]:
@@ -79,14 +90,16 @@ def global_view(stage: Stage[T]) -> Stage[T]:
     if not FRESH or not stage.reads_by_layout():
         return stage
     probe = WorkerContext(0, 1, 0, 0, 0, None)
-    if stage.access(probe) is None:
+    access = stage.access(probe)
+    if access is None or access.length() is None:  # NOTE [ Endless streams by position ]
         needs = stage.needs_positions()
         if needs is not None:
             raise ConfigError(
                 f"{needs} is read by position (split='global'), which needs every stage "
                 f"of {stage.describe()} to read by position too, and one reads only as a "
-                "stream (a filter, a blend with stop='never', an endless repeat, your own "
-                "dataset); use split='samples' there, or move that stage out of the pipeline"
+                "stream (a filter, your own dataset, an endless repeat or blend without a "
+                "limit above it); use split='samples' there, or move that stage out of the "
+                "pipeline"
             )
         return stage
     return GlobalView(stage)

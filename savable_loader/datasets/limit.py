@@ -148,14 +148,21 @@ class _Head(Generic[T]):
         self.n, self.parent = n, parent
 
     def length(self) -> int:
-        return min(self.n, int(self.parent.length()))
+        size = self.parent.length()
+        return self.n if size is None else min(self.n, int(size))
+
+    def _source(self, epoch: int, positions: list[int]) -> tuple[int, list[int]]:
+        """Epoch ``e`` of an endless source is its positions ``[e n, (e + 1) n)``."""
+        if self.parent.length() is None:
+            return 0, [epoch * self.n + position for position in positions]
+        return epoch, positions
 
     def get_many(self, epoch: int, positions: list[int]) -> list[T]:
-        items: list[T] = self.parent.get_many(epoch, positions)
+        items: list[T] = self.parent.get_many(*self._source(epoch, positions))
         return items
 
     def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
-        keys: list[tuple[int, ...]] = self.parent.keys(epoch, positions)
+        keys: list[tuple[int, ...]] = self.parent.keys(*self._source(epoch, positions))
         return keys
 
 

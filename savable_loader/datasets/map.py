@@ -134,8 +134,8 @@ class _Access(Generic[U]):
         self.stage_key = _stage_key(stage) if context.seed_each_item else None
         self.loader_seed = context.seed
 
-    def length(self) -> int:
-        length: int = self.parent.length()
+    def length(self) -> int | None:
+        length: int | None = self.parent.length()
         return length
 
     def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:

@@ -104,9 +104,7 @@ class Repeat(Transform[T]):
         ``e`` is the source's epochs ``e * times`` to ``e * times + times - 1`` one after
         the other (NOTE [ Repeat by position ])."""
         parent = self.source.access(context)
-        if parent is None or self.times is None:
-            return None
-        return _Rounds(self.times, parent)
+        return None if parent is None else _Rounds(self.times, parent)
 
     def reads_by_layout(self) -> bool:
         """Counted passes are each stream's passes over its own shard."""
@@ -123,18 +121,23 @@ class _Passes(StageState):
 class _Rounds(Generic[T]):
     """A repeat's items by position (NOTE [ Repeat by position ])."""
 
-    def __init__(self, times: int, parent: Any) -> None:
+    def __init__(self, times: int | None, parent: Any) -> None:
         self.times, self.parent = times, parent
 
-    def length(self) -> int:
-        return self.times * int(self.parent.length())
+    def length(self) -> int | None:
+        """None: endless (NOTE [ Endless streams by position ] in ``global_view.py``)."""
+        size = self.parent.length()
+        return None if size is None or self.times is None else self.times * int(size)
 
     def _groups(self, epoch: int, positions: list[int]) -> list[tuple[int, list[int]]]:
         """The positions as (source epoch, source positions) runs, in order."""
-        size = int(self.parent.length())
+        size = self.parent.length()
+        if size is None:  # a repeat of an endless stream is that stream
+            return [(epoch, positions)]
         groups: list[tuple[int, list[int]]] = []
         for position in positions:
-            source_epoch = epoch * self.times + position // size
+            # An endless repeat has one epoch, 0: its passes one after the other.
+            source_epoch = epoch * (self.times or 0) + position // size
             if not groups or groups[-1][0] != source_epoch:
                 groups.append((source_epoch, []))
             groups[-1][1].append(position % size)

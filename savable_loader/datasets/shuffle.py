@@ -160,15 +160,16 @@ class _Windows(Generic[T]):
         self.size, self.seed, self.parent = stage.buffer_size, stage.seed, parent
         self._order: tuple[int, int, list[int]] = (-1, -1, [])
 
-    def length(self) -> int:
-        length: int = self.parent.length()
+    def length(self) -> int | None:
+        length: int | None = self.parent.length()
         return length
 
     def _source(self, epoch: int, position: int) -> int:
         window, offset = divmod(position, self.size)
         cached_epoch, cached, order = self._order
         if (cached_epoch, cached) != (epoch, window):
-            items = min(self.size, self.length() - window * self.size)
+            length = self.length()  # None: endless, every window full
+            items = self.size if length is None else min(self.size, length - window * self.size)
             generator = rng.generator_for(rng.Purpose.WINDOW_POSITIONS, self.seed, epoch, window)
             order = generator.permutation(items).tolist()
             self._order = (epoch, window, order)
