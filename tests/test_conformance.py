@@ -11,7 +11,7 @@ has it, as DDP scripts do.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -226,32 +226,44 @@ def _indices(stream: list[list[Any]]) -> list[list[Any]]:
     return [[batch["i"] for batch in epoch] for epoch in stream]
 
 
-def _resumed(name: str, options: dict[str, Any], stop: int) -> list[list[Any]]:
-    """Runs ``stop`` batches, saves (through the file encoding), and finishes the epoch of
-    the save and the next one in a fresh loader restored from the state; returns the stream
-    up to there. (Epochs further on are the resume harness's, tests/test_resume.py: a
-    restored loader goes to the end of every run there.)"""
-    out: list[list[Any]] = []
-    state = None
-    epoch_at = 0
+def _saving_run(
+    name: str, options: dict[str, Any], stops: Sequence[int]
+) -> tuple[list[list[Any]], dict[int, tuple[int, Any]]]:
+    """Runs the stream in one loader up to the last of ``stops``, saving (through the file
+    encoding) after each of ``stops`` batches; returns what it yielded, by epoch, and each
+    stop's epoch and state. One saving run serves every stop: a loader of its own for each
+    stop ran the same batches again up to it."""
+    seen: list[list[Any]] = []
+    saves: dict[int, tuple[int, Any]] = {}
+    taken = 0
     with _build(SavableDataLoader, name, **options) as first:
-        taken = 0
         for epoch in range(EPOCHS):
             _set_epoch(first, epoch)
-            out.append([])
+            seen.append([])
             iterator = iter(first)
-            while taken < stop:
-                batch = next(iterator, None)
+            while True:
+                if taken in stops and taken not in saves:
+                    saves[taken] = (epoch, decode_state(encode_state(first.save_state_rank())))
+                batch = next(iterator, None) if taken < max(stops) else None
                 if batch is None:
                     break
-                out[-1].append(_plain(batch))
+                seen[-1].append(_plain(batch))
                 taken += 1
-            if taken == stop:
-                epoch_at = epoch
-                state = decode_state(encode_state(first.save_state_rank()))
-                out[-1].extend(_plain(batch) for batch in [])
+            if taken == max(stops) and max(stops) in saves:
                 break
-    assert state is not None
+    assert sorted(saves) == sorted(set(stops)), f"saved after {sorted(saves)} of {stops}"
+    return seen, saves
+
+
+def _resumed(
+    name: str, options: dict[str, Any], before: list[list[Any]], saved: tuple[int, Any]
+) -> list[list[Any]]:
+    """``before`` (the batches up to the save, by epoch), then the epoch of the save and the
+    next one from a fresh loader restored from the state saved there. (Epochs further on
+    are the resume harness's, tests/test_resume.py: a restored loader goes to the end of
+    every run there.)"""
+    epoch_at, state = saved
+    out = [list(epoch) for epoch in before]
     _seed_globals(99)  # the restoring process's global generators differ
     with _build(SavableDataLoader, name, **options) as second:
         _seed_globals(123)
@@ -264,10 +276,23 @@ def _resumed(name: str, options: dict[str, Any], stop: int) -> list[list[Any]]:
     return out
 
 
-def _assert_resumed(name: str, options: dict[str, Any], stop: int, expected: Any) -> None:
-    got = _resumed(name, options, stop)
-    assert len(got) >= min(2, EPOCHS)
-    assert got == expected[: len(got)], f"saved after {stop} batches"
+def _assert_resumed(
+    name: str, options: dict[str, Any], stops: Sequence[int], expected: Any
+) -> None:
+    """Saves after each of ``stops`` batches in one run, which must yield the uninterrupted
+    stream ``expected`` (a save does not disturb it), and resumes each save in a fresh
+    loader: the batches before the save and the restored loader's are ``expected``'s."""
+    seen, saves = _saving_run(name, options, stops)
+    *whole, last = seen
+    assert whole == expected[: len(whole)], "the saving run differs from the uninterrupted one"
+    assert last == expected[len(whole)][: len(last)], "the saving run differs"
+    for stop in stops:
+        epoch_at, _ = saves[stop]
+        before = [list(epoch) for epoch in seen[:epoch_at]]
+        before.append(seen[epoch_at][: stop - sum(len(epoch) for epoch in before)])
+        got = _resumed(name, options, before, saves[stop])
+        assert len(got) >= min(2, EPOCHS)
+        assert got == expected[: len(got)], f"saved after {stop} batches"
 
 
 #: The cases resumed with 2 workers (restarted each epoch and persistent) at every save
@@ -297,8 +322,8 @@ def test_a_resumed_stream_is_the_uninterrupted_one(
     with _build(SavableDataLoader, name, **options) as loader:
         expected = _stream(loader)
     per_epoch = len(expected[0])
-    for stop in (0, 1, per_epoch - 1, per_epoch, per_epoch + 2, 2 * per_epoch + 1):
-        _assert_resumed(name, options, stop, expected)
+    stops = (0, 1, per_epoch - 1, per_epoch, per_epoch + 2, 2 * per_epoch + 1)
+    _assert_resumed(name, options, stops, expected)
 
 
 def _three_worker_stops(per_epoch: int) -> tuple[int, int, int]:
@@ -312,8 +337,7 @@ def _three_workers(name: str) -> None:
     options = {"num_workers": 3, "persistent_workers": True}
     with _build(SavableDataLoader, name, **options) as loader:
         expected = _stream(loader)
-    for stop in _three_worker_stops(len(expected[0])):
-        _assert_resumed(name, options, stop, expected)
+    _assert_resumed(name, options, _three_worker_stops(len(expected[0])), expected)
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if name not in WITH_TWO_WORKERS])
@@ -458,4 +482,4 @@ def test_spawned_workers_resume_exactly() -> None:
     options = {"num_workers": 2, "multiprocessing_context": "spawn"}
     expected = _stream(_build(DataLoader, "shuffle_generator", num_workers=2))
     stop = len(expected[0]) + 1  # in the second epoch, whose workers were started anew
-    _assert_resumed("shuffle_generator", options, stop, expected)
+    _assert_resumed("shuffle_generator", options, [stop], expected)
