@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from savable_loader import SavableDataLoader, StateError, StateMismatchError, WorkerConfig
+from savable_loader import SavableDataLoader, StateError, StateMismatchError
 from savable_loader.datasets import Blend, IndexedDataset, TokenSource
 from savable_loader.datasets.blend_positions import BLOCK, LEAF, BlendOrder, block_counts, segments
-from savable_loader.testing import Shape, assert_elastic, assert_resumes_exactly
+from savable_loader.testing import Shape, assert_elastic, assert_resumes_exactly, elastic_builder
 
 SEED = 11
 LAYOUTS = [Shape(2, 0, 4), Shape(4, 0, 2), Shape(1, 0, 8)]
@@ -44,18 +44,7 @@ def _mixed(tmp_path: Path, stop: str) -> Callable[[], Any]:
 
 
 def _builder(dataset: Callable[[], Any], **loader: Any) -> Any:
-    def build(rank: int, ranks: int, workers: int, batch: int) -> SavableDataLoader[Any]:
-        return SavableDataLoader(
-            dataset(),
-            batch_size=batch,
-            num_workers=workers,
-            seed=SEED,
-            worker_config=WorkerConfig(rank=rank, world_size=ranks),
-            collate_fn=list,
-            **loader,
-        )
-
-    return build
+    return elastic_builder(dataset, seed=SEED, collate_fn=list, **loader)
 
 
 @pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])

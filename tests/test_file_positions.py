@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from savable_loader import ConfigError, SavableDataLoader, StateError, WorkerConfig
+from savable_loader import ConfigError, SavableDataLoader, StateError
 from savable_loader.datasets import Blend, JsonLinesSource, TarSource, TokenSource
-from savable_loader.testing import Shape, assert_elastic, assert_resumes_exactly
+from savable_loader.testing import Shape, assert_elastic, assert_resumes_exactly, elastic_builder
 
 SEED = 7
 LAYOUTS = [Shape(2, 0, 4), Shape(4, 0, 2), Shape(1, 0, 8)]
@@ -73,17 +73,7 @@ def _pipeline(kind: str, tmp_path: Path) -> Callable[[], Any]:
 
 
 def _builder(dataset: Callable[[], Any], **loader: Any) -> Any:
-    def build(rank: int, ranks: int, workers: int, batch: int) -> SavableDataLoader[Any]:
-        return SavableDataLoader(
-            dataset(),
-            batch_size=batch,
-            num_workers=workers,
-            worker_config=WorkerConfig(rank=rank, world_size=ranks),
-            collate_fn=list,
-            **loader,
-        )
-
-    return build
+    return elastic_builder(dataset, collate_fn=list, **loader)
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "tar"])

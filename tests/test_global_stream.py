@@ -38,6 +38,7 @@ from savable_loader.testing import (
     assert_elastic,
     assert_resumes_exactly,
     digest,
+    elastic_builder,
     split_batch,
 )
 
@@ -55,18 +56,7 @@ Build = Callable[[int, int, int, int], SavableDataLoader[Any]]
 
 def _builder(dataset: Callable[[], Any], **loader: Any) -> Build:
     """``build(rank, ranks, workers, batch)`` of ``assert_elastic`` over ``dataset()``."""
-
-    def build(rank: int, ranks: int, workers: int, batch: int) -> SavableDataLoader[Any]:
-        return SavableDataLoader(
-            dataset(),
-            batch_size=batch,
-            num_workers=workers,
-            seed=SEED,
-            worker_config=WorkerConfig(rank=rank, world_size=ranks),
-            **loader,
-        )
-
-    return build
+    return elastic_builder(dataset, seed=SEED, **loader)
 
 
 # -- pipelines -----------------------------------------------------------------------------

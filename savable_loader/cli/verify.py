@@ -17,10 +17,15 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from ..config import WorkerConfig
 from ..errors import ConfigError
-from ..loader import SavableDataLoader
-from ..testing import ResumeMismatch, Shape, VerifyReport, assert_elastic, verify
+from ..testing import (
+    ResumeMismatch,
+    Shape,
+    VerifyReport,
+    assert_elastic,
+    elastic_builder,
+    verify,
+)
 from .output import _PROG, _err, _out, _plural
 
 logger = logging.getLogger(__name__)
@@ -291,20 +296,7 @@ def _verify_elastic(args: argparse.Namespace, factory: Callable[[], Any]) -> int
         _err(f"{prefix}: error: {error}")
         return 2
 
-    def build(rank: int, world_size: int, num_workers: int, batch_size: int) -> Any:
-        dataset = factory()
-        if isinstance(dataset, SavableDataLoader):
-            raise ConfigError(
-                "--elastic builds the loaders of every layout itself: give a factory that "
-                "returns a dataset, not a loader"
-            )
-        return SavableDataLoader(
-            dataset,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            seed=args.seed,
-            worker_config=WorkerConfig(rank=rank, world_size=world_size),
-        )
+    build = elastic_builder(factory, seed=args.seed)
 
     shown = ", ".join(str(layout) for layout in layouts)
     _out(f"{prefix} {args.target} --elastic: {_epochs(args.epochs)} on {shown}")

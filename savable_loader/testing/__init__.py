@@ -39,7 +39,14 @@ from __future__ import annotations
 from .cursors import CursorReport, assert_cursor_resumes_exactly
 from .digests import digest
 from .divergence import ResumeMismatch
-from .elastic import ElasticMismatch, ElasticReport, Shape, assert_elastic, split_batch
+from .elastic import (
+    ElasticMismatch,
+    ElasticReport,
+    Shape,
+    assert_elastic,
+    elastic_builder,
+    split_batch,
+)
 from .files import roundtrip
 from .harness import Progress, ResumeReport, assert_resumes_exactly
 from .proxy import FaultProxy, ProxyStats
@@ -60,6 +67,7 @@ __all__ = [
     "assert_elastic",
     "assert_resumes_exactly",
     "digest",
+    "elastic_builder",
     "roundtrip",
     "split_batch",
     "verify",

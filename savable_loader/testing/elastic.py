@@ -25,11 +25,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import WorkerConfig
+from ..errors import ConfigError
 from ..loader import SavableDataLoader
 from ..state.models import RankState
 from .digests import digest
 
-__all__ = ["ElasticMismatch", "ElasticReport", "Shape", "assert_elastic", "split_batch"]
+__all__ = [
+    "ElasticMismatch",
+    "ElasticReport",
+    "Shape",
+    "assert_elastic",
+    "elastic_builder",
+    "split_batch",
+]
 
 #: ``build(rank, world_size, num_workers, batch_size)``: a fresh loader of that rank.
 Build = Callable[[int, int, int, int], SavableDataLoader[Any]]
@@ -106,6 +115,38 @@ class ElasticReport:
     layouts: tuple[Shape, ...]
     steps: tuple[int, ...]
     restores: int
+
+
+def elastic_builder(dataset: Callable[[], Any], **loader: Any) -> Build:
+    """The ``build`` of :func:`assert_elastic` for a dataset: each call makes
+    ``SavableDataLoader(dataset(), batch_size=..., num_workers=..., worker_config=
+    WorkerConfig(rank=..., world_size=...), **loader)``.
+
+    Args:
+        dataset: Makes a fresh dataset or pipeline (not a loader) per call.
+        **loader: Any other ``SavableDataLoader`` argument (``seed``, ``collate_fn``...).
+
+    Raises:
+        ConfigError: ``dataset()`` returned a loader (from the returned ``build``).
+    """
+
+    def build(rank: int, world_size: int, num_workers: int, batch_size: int) -> Any:
+        made = dataset()
+        if isinstance(made, SavableDataLoader):
+            made.close()
+            raise ConfigError(
+                "the elastic check builds the loaders of every layout itself: give a "
+                "factory that returns a dataset, not a loader"
+            )
+        return SavableDataLoader(
+            made,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            worker_config=WorkerConfig(rank=rank, world_size=world_size),
+            **loader,
+        )
+
+    return build
 
 
 def split_batch(batch: Any) -> list[Any]:
