@@ -181,7 +181,12 @@ def test_a_save_anywhere_resumes_exactly_errors_included(build, num_workers):
         steps = len(reference) + 1
         want = _outcomes(iter(reference), steps) + _outcomes(iter(reference), steps)
     assert "KeyError" in want or "ValueError" in want
-    for cut in range(1, len(want)):
+    assert len(want) == 2 * steps
+    assert want[steps - 1] == "end"
+    # Every step of the first epoch, and after its end (a new iter(), before its first
+    # step). A cut past the first epoch read the same: _outcomes stops at "end", so the
+    # save came right after the new iter() for every one of them.
+    for cut in range(1, steps + 1):
         with loader() as first:
             iterator = iter(first)
             got = _outcomes(iterator, cut)
