@@ -96,8 +96,6 @@ def _last_per_step(log: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return sorted(dict(log).items())
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
 def _assert_resumed(
     reference: Path,
     crashed: Path,
@@ -121,6 +119,8 @@ def _assert_resumed(
     assert _log(reference, 0) != _log(reference, 1)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_torchrun_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Path) -> None:
     assert STOP_AT % SAVE_EVERY != 0
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
