@@ -97,6 +97,8 @@ class Pipeline:
         if planner is not None and planner.index_sampler is not None:
             return len(planner.index_sampler)
         read = self.root.source  # a pipeline read by position is an IndexedDataset too
+        if getattr(read, "endless", False):
+            raise TypeError(f"{self.source.describe()} is endless: it has no len()")
         if isinstance(read, IndexedDataset):
             return read.rank_batches(contexts, drop_last=drop_last)
         items, size = self.iterable_length(), self.root.batch_size

@@ -6,6 +6,7 @@ another layout. Ranks are simulated in one process with ``WorkerConfig(rank=r, .
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections import Counter
 from collections.abc import Callable
@@ -18,7 +19,13 @@ import pytest
 from savable_loader import SavableDataLoader, StateError, StateMismatchError
 from savable_loader.datasets import Blend, IndexedDataset, TokenSource
 from savable_loader.datasets.blend_positions import BLOCK, LEAF, BlendOrder, block_counts, segments
-from savable_loader.testing import Shape, assert_elastic, assert_resumes_exactly, elastic_builder
+from savable_loader.testing import (
+    Shape,
+    assert_elastic,
+    assert_resumes_exactly,
+    digest,
+    elastic_builder,
+)
 
 SEED = 11
 LAYOUTS = [Shape(2, 0, 4), Shape(4, 0, 2), Shape(1, 0, 8)]
@@ -215,12 +222,41 @@ def test_an_endless_repeat_under_a_limit_cuts_one_stream_into_epochs_on_every_la
     assert [x for epoch in epochs for x in epoch] == stream  # consecutive cuts of the passes
 
 
-def test_an_endless_pipeline_without_a_limit_is_read_as_a_stream():
-    blend = Blend(
-        [IndexedDataset([1, 2]), IndexedDataset([3])], weights=[1, 1], seed=0, stop="never"
-    )
-    with SavableDataLoader(blend, batch_size=2) as loader:
-        assert type(loader._pipeline.root.source).__name__ == "Blend"
+def _endless() -> Any:
+    sources = [IndexedDataset(list(range(30)), shuffle=True, seed=1), IndexedDataset([100, 101])]
+    return Blend(sources, weights=[2, 1], seed=3, stop="never").map(_augment, seed=4)
+
+
+def _endless_steps(shape: Shape, steps: int, states: Any = None) -> list[list[str]]:
+    """The first ``steps`` global batches of every rank of ``shape`` (after ``states``)."""
+    per_rank = []
+    for rank in range(shape.ranks):
+        with _builder(_endless)(rank, shape.ranks, shape.num_workers, shape.batch_size) as loader:
+            if states is not None:
+                loader.restore_state_rank(states)
+            per_rank.append(list(itertools.islice(iter(loader), steps)))
+    return [
+        sorted(digest(item) for batch in step for item in batch)
+        for step in zip(*per_rank, strict=True)
+    ]
+
+
+def test_an_endless_blend_without_a_limit_gives_the_same_global_batches_and_moves():
+    # NOTE [ Endless streams by position ]: one epoch of ENDLESS positions.
+    reference = _endless_steps(LAYOUTS[0], 12)
+    for shape in [*LAYOUTS[1:], Shape(1, 2, 8)]:
+        assert _endless_steps(shape, 12) == reference, shape
+    states = []
+    for rank in range(2):
+        with _builder(_endless)(rank, 2, 0, 4) as loader:
+            stream = iter(loader)
+            for _ in range(5):
+                next(stream)
+            states.append(loader.save_state_rank())
+    for shape in LAYOUTS[1:]:
+        assert _endless_steps(shape, 7, states) == reference[5:], shape
+    with pytest.raises(TypeError, match="endless"):
+        len(SavableDataLoader(_endless(), batch_size=4))
 
 
 def test_an_endless_blocks_counts_hold_the_weights_to_one_item():

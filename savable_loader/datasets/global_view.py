@@ -28,9 +28,11 @@ An endless ``Repeat`` or a ``Blend`` with ``stop="never"`` over stages read by p
 has an access too, of one epoch, 0, that never ends (its ``length()`` is None): an
 endless repeat's passes follow one another, an endless blend is laid out block by block
 (NOTE [ Endless blends by position ] in ``blend_positions.py``), a map or window shuffle
-over them is endless too. The loader reads such a pipeline by position only under a
-``Limit``, whose epoch ``e`` is the endless stream's positions ``[e n, (e + 1) n)``; an
-endless pipeline without one is read stream by stream.
+over them is endless too. Under a ``Limit`` the limit's epoch ``e`` is the endless
+stream's positions ``[e n, (e + 1) n)``. Without one, the view's one epoch is
+:data:`ENDLESS` positions long, which no run reaches, so its global batches are the
+stream's positions ``[j G, (j + 1) G)`` on every layout, and ``len(loader)`` raises
+``TypeError`` as for any endless iterable.
 
 NOTE [ Blend weights by position ]
 A blend read by position lays each epoch out from its weights (NOTE [ Blend by
@@ -56,9 +58,13 @@ from .file_positions import laid_out_for, lanes_of
 from .indexed import IndexedCursor, IndexedDataset
 from .stage import Stage
 
-__all__ = ["FRESH", "Access", "GlobalView", "global_view"]
+__all__ = ["ENDLESS", "FRESH", "Access", "GlobalView", "global_view"]
 
 T = TypeVar("T")
+
+#: The length of the one epoch of an endless pipeline read by position: 2**53 positions,
+#: more than a run reads (a year at 10**8 items a second), exact in a float too.
+ENDLESS = 2**53
 
 #: Fresh runs read a pipeline with a window shuffle by position (see the NOTE above);
 #: off, stream by stream as versions before it did (for their states' tests).
@@ -90,8 +96,7 @@ def global_view(stage: Stage[T]) -> Stage[T]:
     if not FRESH or not stage.reads_by_layout():
         return stage
     probe = WorkerContext(0, 1, 0, 0, 0, None)
-    access = stage.access(probe)
-    if access is None or access.length() is None:  # NOTE [ Endless streams by position ]
+    if stage.access(probe) is None:
         needs = stage.needs_positions()
         if needs is not None:
             raise ConfigError(
@@ -132,8 +137,12 @@ class GlobalView(IndexedDataset[T]):
         access = pipeline.access(WorkerContext(0, 1, 0, 0, 0, None))
         if access is None:
             raise StateError(f"{pipeline.describe()} cannot be read by position; please report")
+        length = access.length()
+        #: An endless pipeline: its one epoch is ``ENDLESS`` positions long, never reached
+        #: (NOTE [ Endless streams by position ]).
+        self.endless = length is None
         super().__init__(
-            _Positions(access.length()),  # type: ignore[arg-type]
+            _Positions(ENDLESS if length is None else length),  # type: ignore[arg-type]
             even=_even(pipeline),
             deterministic_items=pipeline.draws_nothing(),
         )

@@ -107,8 +107,8 @@ class Repeat(Transform[T]):
         return None if parent is None else _Rounds(self.times, parent)
 
     def reads_by_layout(self) -> bool:
-        """Counted passes are each stream's passes over its own shard."""
-        return self.times is not None or self.source.reads_by_layout()
+        """Read stream by stream, the passes are each stream's over its own shard."""
+        return True
 
     def draws_nothing(self) -> bool:
         return self.source.draws_nothing()
