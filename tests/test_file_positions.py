@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from savable_loader import ConfigError, SavableDataLoader, StateError
+from savable_loader import ConfigError, SavableDataLoader, StateError, WorkerConfig
 from savable_loader.datasets import Blend, JsonLinesSource, TarSource, TokenSource
 from savable_loader.testing import Shape, assert_elastic, assert_resumes_exactly, elastic_builder
 
@@ -194,3 +194,22 @@ def test_config_names_split_global_so_a_state_of_split_samples_is_refused(tmp_pa
     assert 'split="global"' in JsonLinesSource(urls, split="global").describe()
     with pytest.raises(ConfigError, match='"global"'):
         JsonLinesSource(urls, split="everything")
+
+
+@pytest.mark.parametrize(("even", "items"), [("pad", 63), ("drop", 60)])
+def test_even_evens_the_epoch_out_over_the_ranks_as_with_split_samples(tmp_path, even, items):
+    # 61 samples over 3 ranks: "pad" repeats the first positions up to 63, "drop" keeps 60.
+    urls = _lines(tmp_path / "lines")
+    (tmp_path / "lines" / "9.jsonl").write_text(json.dumps({"id": 999}) + "\n")
+    seen = []
+    for rank in range(3):
+        source = JsonLinesSource(urls, split="global", even=even)
+        with SavableDataLoader(
+            source,
+            batch_size=4,
+            worker_config=WorkerConfig(rank=rank, world_size=3),
+            collate_fn=list,
+        ) as loader:
+            seen += [row["id"] for batch in loader for row in batch]
+    assert len(seen) == items
+    assert len(set(seen)) == min(items, 61)

@@ -279,9 +279,11 @@ class GlobalView(IndexedDataset[T]):
 
 
 def _even(pipeline: Stage[Any]) -> Any:
-    """The ``even`` of the pipeline's indexed source (all of them agree: one source)."""
-    if isinstance(pipeline, IndexedDataset):
-        return pipeline.even
+    """The ``even`` of the pipeline's first source (an ``IndexedDataset``'s, a file
+    source's): how the view evens the epoch out over the ranks."""
+    even = getattr(pipeline, "even", None)
+    if even in ("pad", "drop"):
+        return even
     for child in pipeline.children:
         return _even(child)
     return "pad"
