@@ -113,6 +113,8 @@ def test_a_blend_read_by_position_resumes_exactly(tmp_path, workers):
             _mixed(tmp_path, "all_exhausted")(), batch_size=3, num_workers=workers, collate_fn=list
         ),
         epochs=2,
+        inline_chains=workers > 0,
+        interruptions=workers == 0,
     )
 
 
