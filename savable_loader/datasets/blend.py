@@ -187,7 +187,33 @@ def _weights(weights: Sequence[float], count: int) -> list[float]:
     return values
 
 
-class Mixed(Generic[T]):
+class _Sources(Generic[T]):
+    """A blend's items by position, read from the sources that serve them."""
+
+    parents: list[Any]
+
+    def runs(self, epoch: int, positions: list[int]) -> list[tuple[int, int, Any, list[int]]]:
+        """``(source, its epoch, where in positions, its positions)`` per run of one
+        source's epoch."""
+        raise NotImplementedError
+
+    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
+        out: list[Any] = [None] * len(positions)
+        for source, source_epoch, where, places in self.runs(epoch, positions):
+            items = self.parents[source].get_many(source_epoch, places)
+            for n, item in zip(where, items, strict=True):
+                out[n] = item
+        return out
+
+    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
+        out: list[tuple[int, ...]] = [()] * len(positions)
+        for source, source_epoch, where, places in self.runs(epoch, positions):
+            for n, key in zip(where, self.parents[source].keys(source_epoch, places), strict=True):
+                out[n] = (source, *key)
+        return out
+
+
+class Mixed(_Sources[T]):
     """A blend's items by position (NOTE [ Blend by position ] in ``blend_positions.py``)."""
 
     def __init__(self, seed: int, layout: list[Segment], parents: list[Any]) -> None:
@@ -197,31 +223,16 @@ class Mixed(Generic[T]):
     def length(self) -> int:
         return self.order.length
 
-    def _by_source(self, epoch: int, positions: list[int]) -> list[tuple[int, Any, list[int]]]:
-        """(source, where in ``positions``, that source's positions) for each source."""
+    def runs(self, epoch: int, positions: list[int]) -> list[tuple[int, int, Any, list[int]]]:
         sources, places = self.order.locate(epoch, positions)
-        groups = []
+        found = []
         for source in np.unique(sources).tolist():
             where = np.flatnonzero(sources == source)
-            groups.append((source, where, places[where].tolist()))
-        return groups
-
-    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
-        out: list[Any] = [None] * len(positions)
-        for source, where, places in self._by_source(epoch, positions):
-            for n, item in zip(where, self.parents[source].get_many(epoch, places), strict=True):
-                out[n] = item
-        return out
-
-    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
-        out: list[tuple[int, ...]] = [()] * len(positions)
-        for source, where, places in self._by_source(epoch, positions):
-            for n, key in zip(where, self.parents[source].keys(epoch, places), strict=True):
-                out[n] = (source, *key)
-        return out
+            found.append((source, epoch, where, places[where].tolist()))
+        return found
 
 
-class EndlessMixed(Generic[T]):
+class EndlessMixed(_Sources[T]):
     """An endless blend's items by position (NOTE [ Endless blends by position ] in
     ``blend_positions.py``): one epoch, 0, that never ends."""
 
@@ -234,34 +245,21 @@ class EndlessMixed(Generic[T]):
     def length(self) -> None:
         return None
 
-    def _by_source(self, positions: list[int]) -> list[tuple[int, int, list[int], list[int]]]:
-        """(source, its epoch, where in ``positions``, its positions) runs, in order."""
-        runs: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    def runs(self, epoch: int, positions: list[int]) -> list[tuple[int, int, Any, list[int]]]:
+        blocks: dict[int, list[int]] = {}  # the block's index stands in the epoch's place
         for n, position in enumerate(positions):
-            block, offset = divmod(position, BLOCK)
-            sources, places = self.order.locate(block, [offset])
-            source = int(sources[0])
-            draw = block * self.counts[source] + int(places[0])
-            epoch, place = divmod(draw, self.sizes[source])
-            where, places_run = runs.setdefault((source, epoch), ([], []))
-            where.append(n)
-            places_run.append(place)
-        return [(s, e, where, run) for (s, e), (where, run) in runs.items()]
-
-    def get_many(self, epoch: int, positions: list[int]) -> list[T]:
-        out: list[Any] = [None] * len(positions)
-        for source, source_epoch, where, places in self._by_source(positions):
-            items = self.parents[source].get_many(source_epoch, places)
-            for n, item in zip(where, items, strict=True):
-                out[n] = item
-        return out
-
-    def keys(self, epoch: int, positions: list[int]) -> list[tuple[int, ...]]:
-        out: list[tuple[int, ...]] = [()] * len(positions)
-        for source, source_epoch, where, places in self._by_source(positions):
-            for n, key in zip(where, self.parents[source].keys(source_epoch, places), strict=True):
-                out[n] = (source, *key)
-        return out
+            blocks.setdefault(position // BLOCK, []).append(n)
+        found: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for block, indices in blocks.items():
+            offsets = [positions[n] - block * BLOCK for n in indices]
+            sources, places = self.order.locate(block, offsets)
+            for n, source, place in zip(indices, sources.tolist(), places.tolist(), strict=True):
+                draw = block * self.counts[source] + place
+                source_epoch, at = divmod(draw, self.sizes[source])
+                where, run = found.setdefault((source, source_epoch), ([], []))
+                where.append(n)
+                run.append(at)
+        return [(s, e, where, run) for (s, e), (where, run) in found.items()]
 
 
 class _BlendCursor(Cursor[T]):
