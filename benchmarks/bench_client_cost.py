@@ -43,7 +43,7 @@ import common
 import fsspec
 
 from savable_loader import SavableDataLoader
-from savable_loader import _s3_client as s3_client
+from savable_loader.storage import s3_client
 
 #: The configurations measured, each against its local one (``bench_remote.build``).
 CONFIGS = {

@@ -41,13 +41,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from savable_loader import SavableDataLoader
-from savable_loader.datasets import (
-    Blend,
-    IndexedDataset,
-    JsonLinesSource,
-    TarSource,
-    TokenSource,
-)
+from savable_loader.datasets import Blend, IndexedDataset, JsonLinesSource, TarSource, TokenSource
 from savable_loader.state.files import encode_state
 
 BATCH = 32

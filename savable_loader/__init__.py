@@ -3,7 +3,7 @@
 from ._version import __version__
 from .checkpoint_dir import load_checkpoint, save_checkpoint
 from .config import WorkerConfig, WorkerContext
-from .datasets.base import SavableDataset
+from .datasets.protocol.base import SavableDataset
 from .errors import (
     ApproximateResumeWarning,
     ConfigError,

@@ -45,17 +45,12 @@ import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import distributed, serialization, storage
-from ._filesystems import url_to_fs
-from .errors import (
-    ConfigError,
-    StateError,
-    StateFileNotFoundError,
-    StateFormatError,
-    StorageError,
-)
+from . import distributed, serialization
+from .errors import ConfigError, StateError, StateFileNotFoundError, StateFormatError, StorageError
 from .state.files import load_state, read_state_bytes, save_state
 from .state.models import RankState
+from .storage import urls as storage
+from .storage.filesystems import url_to_fs
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 

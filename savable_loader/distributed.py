@@ -39,8 +39,8 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from ._compat import own_state, saved_on_layout, states_for_layout
-from ._layout import Layout
+from ._resume.compat import own_state, saved_on_layout, states_for_layout
+from ._resume.layout import Layout
 from .config import WorkerConfig
 from .errors import (
     ApproximateResumeWarning,

@@ -14,21 +14,23 @@ from typing import Any, Self, TypeVar
 
 from torch.utils.data import DataLoader
 
-from . import _elastic, _torch_compat, distributed
-from ._book import Book
-from ._checks import check_arguments
-from ._compat import SavedStates, check_compatible, own_state, state_from_dict, state_key
-from ._events import END, ERROR, PLACEHOLDER
-from ._iterator import LengthCheck, LoaderIterator
-from ._layout import Layout
-from ._pipeline import base_seed_generator, build_pipeline
-from ._runtime_spec import RuntimeSpec
-from ._shown import PicklesOwnGenerators, shown_arguments, torch_arguments
-from ._stream import Hang, Stream
-from ._stream_stops import StreamStops
-from ._worker import WorkerWrapper
+from . import distributed
+from ._channel import torch_compat as _torch_compat
+from ._channel.events import END, ERROR, PLACEHOLDER
+from ._main.arguments import check_arguments
+from ._main.book import Book
+from ._main.iterator import LengthCheck, LoaderIterator
+from ._main.pipeline import base_seed_generator, build_pipeline
+from ._main.shown import PicklesOwnGenerators, shown_arguments, torch_arguments
+from ._main.stops import StreamStops
+from ._main.stream import Hang, Stream
+from ._resume import elastic as _elastic
+from ._resume.compat import SavedStates, check_compatible, own_state, state_from_dict, state_key
+from ._resume.layout import Layout
+from ._worker.spec import RuntimeSpec
+from ._worker.wrapper import WorkerWrapper
 from .config import WorkerConfig
-from .datasets.datapipes import is_datapipe, seed_epoch
+from .datasets.adapters.datapipes import is_datapipe, seed_epoch
 from .errors import SavableLoaderError
 from .state.files import encode_state
 from .state.models import Checkpoint, RankState, one_save

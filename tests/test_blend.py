@@ -14,8 +14,8 @@ from stage_harness import check_stage
 
 from savable_loader import ConfigError, SavableDataLoader, StateError, WorkerContext, rng
 from savable_loader.datasets import Cursor, Stage
-from savable_loader.datasets.blend import Blend
-from savable_loader.datasets.indexed import IndexedDataset
+from savable_loader.datasets.index.indexed import IndexedDataset
+from savable_loader.datasets.transforms.blend import Blend
 
 slow = pytest.mark.slow
 WORKERS = [0, pytest.param(2, marks=slow)]

@@ -18,7 +18,13 @@ import pytest
 
 from savable_loader import SavableDataLoader, StateError, StateMismatchError
 from savable_loader.datasets import Blend, IndexedDataset, TokenSource
-from savable_loader.datasets.blend_positions import BLOCK, LEAF, BlendOrder, block_counts, segments
+from savable_loader.datasets.transforms.blend_positions import (
+    BLOCK,
+    LEAF,
+    BlendOrder,
+    block_counts,
+    segments,
+)
 from savable_loader.testing import (
     Shape,
     assert_elastic,

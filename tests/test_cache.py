@@ -21,10 +21,11 @@ from stage_harness import check_stage
 from test_tar_source import _shard
 
 from savable_loader import ConfigError, SavableDataLoader, StorageError, WorkerContext
-from savable_loader.datasets import RetryPolicy, cache_evict
-from savable_loader.datasets.cache import FileCache
-from savable_loader.datasets.jsonl import JsonLinesSource
-from savable_loader.datasets.tar import TarSource
+from savable_loader.datasets import RetryPolicy
+from savable_loader.datasets.files.jsonl import JsonLinesSource
+from savable_loader.datasets.files.tar import TarSource
+from savable_loader.storage.cache import evict as cache_evict
+from savable_loader.storage.cache.node import FileCache
 
 pytestmark = [S3FS_WARNINGS]
 

@@ -17,9 +17,9 @@ import pytest
 
 from savable_loader import StorageError, WorkerContext
 from savable_loader.datasets import JsonLinesSource, TableSource, TokenSource
-from savable_loader.datasets import cache as cache_module
-from savable_loader.datasets.cache import FileCache
-from savable_loader.datasets.cache_entries import in_folder
+from savable_loader.storage.cache import node as cache_module
+from savable_loader.storage.cache.entries import in_folder
+from savable_loader.storage.cache.node import FileCache
 
 ROWS = [{"id": index} for index in range(5)]
 
@@ -178,7 +178,7 @@ def test_a_streamed_file_the_full_disk_cannot_keep_is_read_whole_and_a_warning_n
     monkeypatch.setattr(cache_module, "STREAM_MIN_BYTES", 1)  # NOTE [ Reading a download ]
     monkeypatch.setattr(cache_module, "commit", _FullDisk())
     source = JsonLinesSource(f"{remote}/part-*", cache_dir=tmp_path, split="files")
-    with caplog.at_level(logging.WARNING, logger="savable_loader.datasets.cache_entries"):
+    with caplog.at_level(logging.WARNING, logger="savable_loader.storage.cache.entries"):
         assert _read(source) == ROWS
         # The download's thread warns once it tries to keep the file, which may be after
         # the reader returned: wait for it, bounded.
@@ -208,7 +208,7 @@ def test_an_eviction_the_folder_refuses_at_a_close_is_a_warning_naming_it(
     assert (tmp_path / ".over").exists()
     (tmp_path / ".evict.lock").unlink()
     (tmp_path / ".evict.lock").mkdir()
-    with caplog.at_level(logging.WARNING, logger="savable_loader.datasets.cache_evict"):
+    with caplog.at_level(logging.WARNING, logger="savable_loader.storage.cache.evict"):
         assert first.read() == bytes(1000)
         first.close()
         second.close()

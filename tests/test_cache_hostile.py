@@ -21,7 +21,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from savable_loader import SavableDataLoader, StorageError, WorkerContext
 from savable_loader.datasets import JsonLinesSource
-from savable_loader.datasets.cache import FileCache
+from savable_loader.storage.cache.node import FileCache
 
 ROWS = [{"id": index} for index in range(40)]
 _LINES = "".join(f'{{"id": {row["id"]}}}\n' for row in ROWS).encode()
@@ -133,7 +133,7 @@ def test_a_damaged_entry_is_downloaded_again_not_blamed_on_the_store(
     _flip(data)
     again = JsonLinesSource(url, cache_dir=tmp_path)
     cursor = again.cursor(WorkerContext(0, 1, 0, 0, 0, None))
-    with caplog.at_level(logging.WARNING, logger="savable_loader.datasets.cache_entries"):
+    with caplog.at_level(logging.WARNING, logger="savable_loader.storage.cache.entries"):
         assert list(cursor) == ROWS
     stats = again.cache_stats()
     assert stats is not None

@@ -18,11 +18,11 @@ import pytest
 from s3_server import REGION, S3, S3FS_WARNINGS, RecordingProxy
 
 from savable_loader.datasets import RetryPolicy
-from savable_loader.datasets import cache as cache_module
-from savable_loader.datasets.cache import FileCache, signature_of
-from savable_loader.datasets.cache_entries import is_valid
-from savable_loader.datasets.cache_probe import PROBE_BYTES, probe
-from savable_loader.datasets.cache_stream import STREAM_MIN_BYTES, Changed
+from savable_loader.storage.cache import node as cache_module
+from savable_loader.storage.cache.download import STREAM_MIN_BYTES, Changed
+from savable_loader.storage.cache.entries import is_valid
+from savable_loader.storage.cache.node import FileCache, signature_of
+from savable_loader.storage.cache.probe import PROBE_BYTES, probe
 from savable_loader.testing.proxy import FaultProxy
 
 pytestmark = [S3FS_WARNINGS, pytest.mark.timeout(120)]

@@ -25,14 +25,14 @@ from test_storage_faults import CUT, SLOW_DOWN, _NoWaits, _through
 
 from savable_loader import StorageError, WorkerContext
 from savable_loader.datasets import RetryPolicy, TarSource
-from savable_loader.datasets.cache import FileCache
-from savable_loader.datasets.cache_stream import (
+from savable_loader.storage.cache.download import (
     FIRST_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     STREAM_MIN_BYTES,
     Changed,
 )
-from savable_loader.datasets.retry import is_transient
+from savable_loader.storage.cache.node import FileCache
+from savable_loader.storage.retry import is_transient
 from savable_loader.testing.proxy import FaultProxy
 
 ONE = WorkerContext(0, 1, 0, 0, 0, None)

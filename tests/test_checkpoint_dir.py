@@ -29,8 +29,8 @@ from savable_loader import (
     save_checkpoint,
     save_state,
     serialization,
-    storage,
 )
+from savable_loader.storage import urls as storage
 
 N, BATCH = 29, 3
 

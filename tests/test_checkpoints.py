@@ -14,12 +14,7 @@ import pytest
 import torch
 from pipelines import RandomCounter
 
-from savable_loader import (
-    SavableDataLoader,
-    StateFormatError,
-    StateMismatchError,
-    WorkerConfig,
-)
+from savable_loader import SavableDataLoader, StateFormatError, StateMismatchError, WorkerConfig
 from savable_loader.state.files import encode_state
 from savable_loader.testing import digest
 

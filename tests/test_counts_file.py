@@ -18,8 +18,8 @@ from test_split_samples import KINDS, LENGTHS, _contexts, _write_jsonl, _write_t
 
 from savable_loader import ConfigError, SavableDataLoader, StorageError
 from savable_loader.datasets import JsonLinesSource, RetryPolicy, TarSource
-from savable_loader.datasets.counts_file import FORMAT, same_file
-from savable_loader.datasets.sharded import ShardedSource
+from savable_loader.datasets.files.counts_file import FORMAT, same_file
+from savable_loader.datasets.files.sharded import ShardedSource
 from savable_loader.testing.proxy import FaultProxy
 
 
@@ -101,7 +101,7 @@ def test_a_changed_file_is_counted_again_and_the_split_follows_it(
     # Rewritten with the same bytes: the same size, another modification time.
     os.utime(tmp_path / "part-00.jsonl", ns=(1, 1))
     source = JsonLinesSource(pattern, counts=tmp_path / "counts.json")
-    with caplog.at_level("INFO", logger="savable_loader.datasets.sharded"):
+    with caplog.at_level("INFO", logger="savable_loader.datasets.files.sharded"):
         assert source.sample_counts() == tuple(lengths)
     assert sorted(counted) == [str(tmp_path / "part-00.jsonl"), str(tmp_path / "part-03.jsonl")]
     assert "2 of 6 files counted" in caplog.text

@@ -30,12 +30,7 @@ import msgpack
 import pytest
 from pipelines import RandomCounter
 
-from savable_loader import (
-    SavableDataLoader,
-    StateFormatError,
-    StorageError,
-    load_state,
-)
+from savable_loader import SavableDataLoader, StateFormatError, StorageError, load_state
 from savable_loader.cli import main
 from savable_loader.serialization import HEADER_SIZE, MAGIC, dumps, loads
 
@@ -484,7 +479,7 @@ def test_the_replay_bound_is_exact():
 
 def test_a_worker_checkpoints_at_least_every_checkpoint_gap_events(monkeypatch):
     """What bounds a saved replay: the ring takes a checkpoint at least that often."""
-    from savable_loader import _ring
+    from savable_loader._worker import ring as _ring
 
     monkeypatch.setattr(_ring, "CHECKPOINT_GAP", 4)
     ring = _ring.CheckpointRing(max_lag=100, share=0.0)

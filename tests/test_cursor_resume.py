@@ -26,7 +26,7 @@ from savable_loader.datasets import (
     TokenSource,
     from_stateful,
 )
-from savable_loader.datasets.batch import Batch
+from savable_loader.datasets.transforms.batch import Batch
 from savable_loader.testing import ResumeMismatch, assert_cursor_resumes_exactly
 
 ALONE = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, seed=0, batch_size=None)

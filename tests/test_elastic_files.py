@@ -23,10 +23,10 @@ import msgpack
 import pytest
 
 from savable_loader import StateError, WorkerContext
-from savable_loader.datasets.elastic import OldStream, ReshardPlan
-from savable_loader.datasets.jsonl import JsonLinesSource
-from savable_loader.datasets.sharded import ShardedSource
-from savable_loader.datasets.tar import TarSource
+from savable_loader.datasets.files.jsonl import JsonLinesSource
+from savable_loader.datasets.files.sharded import ShardedSource
+from savable_loader.datasets.files.tar import TarSource
+from savable_loader.datasets.protocol.elastic import OldStream, ReshardPlan
 
 JSONL_LENGTHS = [7, 3, 12, 1, 9, 4, 6, 2]  # lines per file
 TAR_LENGTHS = [4, 2, 7, 1, 5, 3, 2]  # samples per shard

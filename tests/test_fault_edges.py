@@ -295,7 +295,7 @@ finally:
 
 def test_only_shared_memory_files_no_process_uses_are_removed(tmp_path: Path) -> None:
     """A file this process maps (a live tensor's, under ``file_system``) stays."""
-    from savable_loader import _torch_compat
+    from savable_loader._channel import torch_compat as _torch_compat
 
     for name in ("torch_111_1_0", "torch_111_2_0", "torch_222_1_0"):
         (tmp_path / name).write_bytes(b"x" * 4096)

@@ -19,8 +19,8 @@ import pytest
 from s3_server import S3, S3FS_WARNINGS
 
 from savable_loader import SavableDataLoader
-from savable_loader._filesystems import start_client, url_to_fs
 from savable_loader.datasets import IndexedDataset, JsonLinesSource
+from savable_loader.storage.filesystems import start_client, url_to_fs
 
 pytestmark = [S3FS_WARNINGS]
 

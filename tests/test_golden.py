@@ -38,7 +38,8 @@ def stored_orders(monkeypatch: pytest.MonkeyPatch) -> None:
     ``datasets/permutation.py``): their states restore with the stored permutations
     they were saved with, and the uninterrupted runs they are compared with are fresh
     runs of that version, which drew those permutations too."""
-    from savable_loader.datasets import global_view, indexed_rest
+    from savable_loader.datasets import global_view
+    from savable_loader.datasets.index import reshard as indexed_rest
 
     monkeypatch.setattr(indexed_rest, "FRESH_ORDER", 1)
     # Saved before a shuffled pipeline was read by position (NOTE [ Pipelines read by

@@ -12,12 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from savable_loader import SavableDataLoader, WorkerConfig
 from savable_loader.datasets import StatefulDataset
-from savable_loader.errors import (
-    ConfigError,
-    SavableLoaderError,
-    StateError,
-    UnsavableDatasetError,
-)
+from savable_loader.errors import ConfigError, SavableLoaderError, StateError, UnsavableDatasetError
 from savable_loader.state import RankState
 from savable_loader.testing import assert_resumes_exactly
 

@@ -17,7 +17,7 @@ from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 
 from savable_loader import ConfigError, SavableDataLoader, StateError, StorageError, WorkerContext
-from savable_loader.datasets.jsonl import JsonLinesSource
+from savable_loader.datasets.files.jsonl import JsonLinesSource
 
 pytestmark = [S3FS_WARNINGS]
 

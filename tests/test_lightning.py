@@ -221,10 +221,7 @@ def _check_warnings() -> None:
     import lightning.pytorch as pl
 
     from savable_loader import SingleProcessTrainerWarning, WorkerConfig
-    from savable_loader.integrations.lightning import (
-        LightningSavableDataLoader,
-        _check_processes,
-    )
+    from savable_loader.integrations.lightning import LightningSavableDataLoader, _check_processes
 
     def warned(trainer: pl.Trainer, world_size: int) -> list[str]:
         config = WorkerConfig(rank=0, world_size=world_size)

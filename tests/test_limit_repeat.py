@@ -14,11 +14,11 @@ from stage_harness import check_stage
 
 from savable_loader import ConfigError, StateError, WorkerContext, rng
 from savable_loader.datasets import Cursor, Stage
-from savable_loader.datasets.base import SavableDataset
-from savable_loader.datasets.indexed import IndexedDataset
-from savable_loader.datasets.limit import Limit
-from savable_loader.datasets.repeat import Repeat
-from savable_loader.datasets.tokens import TokenSource
+from savable_loader.datasets.files.tokens import TokenSource
+from savable_loader.datasets.index.indexed import IndexedDataset
+from savable_loader.datasets.protocol.base import SavableDataset
+from savable_loader.datasets.transforms.limit import Limit
+from savable_loader.datasets.transforms.repeat import Repeat
 
 slow = pytest.mark.slow
 WORKERS = [0, pytest.param(2, marks=slow)]

@@ -20,11 +20,11 @@ from s3_server import REGION, S3, S3FS_WARNINGS, RecordingProxy
 from test_split_samples import _write_tar
 
 from savable_loader import SavableDataLoader, WorkerContext
-from savable_loader._filesystems import url_to_fs
 from savable_loader.datasets import JsonLinesSource, TarSource, TokenSource
-from savable_loader.datasets.cache import FileCache, signature_of
-from savable_loader.datasets.cache_entries import is_valid
-from savable_loader.datasets.cache_probe import probe
+from savable_loader.storage.cache.entries import is_valid
+from savable_loader.storage.cache.node import FileCache, signature_of
+from savable_loader.storage.cache.probe import probe
+from savable_loader.storage.filesystems import url_to_fs
 
 pytestmark = [S3FS_WARNINGS, pytest.mark.timeout(120)]
 

@@ -12,8 +12,8 @@ import pytest
 
 from savable_loader import WorkerContext
 from savable_loader.datasets import IndexedDataset
-from savable_loader.datasets.index_order import nth_remaining, remaining_positions
-from savable_loader.datasets.permutation import KeyedPermutation
+from savable_loader.datasets.index.order import nth_remaining, remaining_positions
+from savable_loader.datasets.index.permutation import KeyedPermutation
 from savable_loader.rng import derive_seed
 
 ALONE = WorkerContext(0, 1, 0, 0, 0, None)

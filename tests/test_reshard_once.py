@@ -18,8 +18,8 @@ import torch
 from test_elastic import BATCH, SEED, N, _assert_accounted, _fresh_epoch, _ids, _odd_tens
 
 from savable_loader import RankState, SavableDataLoader, StateMismatchError, WorkerConfig
-from savable_loader import _elastic as elastic
-from savable_loader._compat import states_for_layout
+from savable_loader._resume import elastic
+from savable_loader._resume.compat import states_for_layout
 from savable_loader.datasets import IndexedDataset
 from savable_loader.state.files import encode_state
 

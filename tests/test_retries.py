@@ -21,11 +21,11 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from savable_loader import SavableDataLoader, StorageError
 from savable_loader.config import WorkerContext
-from savable_loader.datasets import retry
-from savable_loader.datasets.jsonl import JsonLinesSource
-from savable_loader.datasets.sharded import ShardedSource
-from savable_loader.datasets.tar import TarSource
+from savable_loader.datasets.files.jsonl import JsonLinesSource
+from savable_loader.datasets.files.sharded import ShardedSource
+from savable_loader.datasets.files.tar import TarSource
 from savable_loader.errors import ConfigError
+from savable_loader.storage import retry
 
 LENGTHS = [5, 3, 8, 1, 6]  # items per file
 
@@ -209,7 +209,7 @@ def _retries(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         record.getMessage()
         for record in caplog.records
-        if record.name == "savable_loader.datasets.retry" and record.levelno == logging.WARNING
+        if record.name == "savable_loader.storage.retry" and record.levelno == logging.WARNING
     ]
 
 

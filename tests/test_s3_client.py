@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from savable_loader import SavableDataLoader
-from savable_loader import _s3_client as s3_client
-from savable_loader._filesystems import url_to_fs
 from savable_loader.datasets import TableSource, TarSource
-from savable_loader.datasets.cache_entries import signature_of
-from savable_loader.datasets.cache_probe import probe, read_whole
+from savable_loader.storage import s3_client
+from savable_loader.storage.cache.entries import signature_of
+from savable_loader.storage.cache.probe import probe, read_whole
+from savable_loader.storage.filesystems import url_to_fs
 from savable_loader.testing import assert_resumes_exactly, digest
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from savable_loader import SavableDataLoader
-from savable_loader.datasets.sampled import EpochOrder
+from savable_loader.datasets.index.sampled import EpochOrder
 from savable_loader.testing import assert_resumes_exactly
 
 

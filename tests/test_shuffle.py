@@ -14,9 +14,9 @@ from stage_harness import check_stage
 
 from savable_loader import ConfigError, StateError, WorkerContext, rng
 from savable_loader.datasets import Cursor, Stage
-from savable_loader.datasets.indexed import IndexedDataset
-from savable_loader.datasets.map import Map
-from savable_loader.datasets.shuffle import Shuffle
+from savable_loader.datasets.index.indexed import IndexedDataset
+from savable_loader.datasets.transforms.map import Map
+from savable_loader.datasets.transforms.shuffle import Shuffle
 
 slow = pytest.mark.slow
 WORKERS = [0, pytest.param(2, marks=slow)]

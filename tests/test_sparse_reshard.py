@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from savable_loader import WorkerContext
-from savable_loader.datasets.index_order import global_position, remaining_positions, shard_length
-from savable_loader.datasets.indexed_rest import rest_after
+from savable_loader.datasets.index.order import global_position, remaining_positions, shard_length
+from savable_loader.datasets.index.reshard import rest_after
 
 
 def _direct(length, below, done, streams, ranks, even):

@@ -27,9 +27,9 @@ from savable_loader import (
     WorkerContext,
 )
 from savable_loader.datasets import JsonLinesSource, TarSource
-from savable_loader.datasets.elastic import OldStream, ReshardPlan
-from savable_loader.datasets.sample_split import Spans, stream_run
-from savable_loader.datasets.sharded import ShardedSource
+from savable_loader.datasets.files.sample_split import Spans, stream_run
+from savable_loader.datasets.files.sharded import ShardedSource
+from savable_loader.datasets.protocol.elastic import OldStream, ReshardPlan
 
 LENGTHS = [7, 0, 3, 12, 1, 9]  # samples per file: uneven, one empty
 

@@ -10,9 +10,9 @@ import torch
 from stage_harness import check_stage
 
 from savable_loader import ConfigError, SavableDataLoader, StateError, WorkerContext
-from savable_loader.datasets.filter import Filter
-from savable_loader.datasets.indexed import IndexedDataset
-from savable_loader.datasets.map import Map
+from savable_loader.datasets.index.indexed import IndexedDataset
+from savable_loader.datasets.transforms.filter import Filter
+from savable_loader.datasets.transforms.map import Map
 
 slow = pytest.mark.slow
 WORKERS = [0, pytest.param(2, marks=slow)]

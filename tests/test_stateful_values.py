@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from savable_loader import SavableDataLoader, WorkerConfig
-from savable_loader.datasets.stateful_values import TAG, decode, encode
+from savable_loader.datasets.adapters.stateful_values import TAG, decode, encode
 from savable_loader.errors import StateError
 from savable_loader.plain import find_non_plain, plain_copy
 from savable_loader.testing import assert_resumes_exactly

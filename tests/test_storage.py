@@ -16,9 +16,9 @@ from pathlib import Path
 import fsspec
 import pytest
 
-import savable_loader.storage
+import savable_loader.storage.urls
 from savable_loader.errors import ConfigError, StateFileNotFoundError, StorageError
-from savable_loader.storage import read_bytes, write_bytes
+from savable_loader.storage.urls import read_bytes, write_bytes
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_failed_overwrite_keeps_the_previous_file(
 
     if failing == "write":
         monkeypatch.setattr(
-            savable_loader.storage, "open", _open_with_failing_write(cause), raising=False
+            savable_loader.storage.urls, "open", _open_with_failing_write(cause), raising=False
         )
     else:
         monkeypatch.setattr(os, failing, fail)
@@ -194,7 +194,7 @@ def test_writer_killed_mid_write_leaves_the_previous_file(tmp_path: Path) -> Non
     marker = tmp_path / "child-is-writing"
     previous = os.urandom(100_000)
     write_bytes(target, previous)
-    root = Path(savable_loader.storage.__file__).resolve().parent.parent
+    root = Path(savable_loader.__file__).resolve().parent.parent
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),

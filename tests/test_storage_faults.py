@@ -34,7 +34,7 @@ import pytest
 from s3_server import BUCKET, KEY_ID, REGION, S3, S3FS_WARNINGS, SECRET
 
 from savable_loader import SavableDataLoader, StorageError
-from savable_loader._runtime import PipelineRuntime
+from savable_loader._worker.runtime import PipelineRuntime
 from savable_loader.datasets import (
     JsonLinesSource,
     RetryPolicy,
@@ -318,7 +318,7 @@ def test_a_permanent_error_names_the_object_and_is_not_retried(
         proxy.deny = {s3.key(bad)}
     else:  # gone after the source listed it
         s3.client.delete_object(Bucket=BUCKET, Key=s3.key(bad))
-    caplog.set_level(logging.WARNING, logger="savable_loader.datasets.retry")
+    caplog.set_level(logging.WARNING, logger="savable_loader.storage.retry")
     with _loader(source, 0) as loader, pytest.raises(StorageError) as raised:
         _epochs(loader, 1)
     message = str(raised.value)

@@ -17,13 +17,7 @@ from typing import Any
 import pytest
 from s3_server import BUCKET, S3, S3FS_WARNINGS
 
-from savable_loader import (
-    RankState,
-    SavableDataLoader,
-    WorkerConfig,
-    load_state,
-    save_state,
-)
+from savable_loader import RankState, SavableDataLoader, WorkerConfig, load_state, save_state
 from savable_loader.cli import main
 from savable_loader.errors import StateFormatError, StorageError
 

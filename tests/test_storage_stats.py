@@ -27,10 +27,10 @@ from test_tar_source import _shard
 
 from savable_loader import SavableDataLoader, WorkerContext
 from savable_loader.datasets import CacheStats, TableSource, TokenSource
-from savable_loader.datasets.file_access import storage_stats
-from savable_loader.datasets.jsonl import JsonLinesSource
-from savable_loader.datasets.listing import LIST_AFTER
-from savable_loader.datasets.tar import TarSource
+from savable_loader.datasets.files.access import storage_stats
+from savable_loader.datasets.files.jsonl import JsonLinesSource
+from savable_loader.datasets.files.tar import TarSource
+from savable_loader.storage.listing import LIST_AFTER
 from savable_loader.testing.proxy import FaultProxy
 
 pytestmark = [S3FS_WARNINGS, pytest.mark.timeout(120)]
@@ -169,7 +169,7 @@ def test_the_counters_are_this_process_s_and_close_cache_logs_them(
     _stream(source)
     copy = pickle.loads(pickle.dumps(source))  # as spawn sends it to a worker
     assert copy.cache_stats() is None
-    with caplog.at_level(logging.DEBUG, logger="savable_loader.datasets.file_access"):
+    with caplog.at_level(logging.DEBUG, logger="savable_loader.datasets.files.access"):
         source.close_cache()
     (message,) = [r.getMessage() for r in caplog.records if "storage" in r.getMessage()]
     assert f"bytes_downloaded={sum(sizes.values())}, hits=0, misses=2" in message

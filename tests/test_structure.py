@@ -25,8 +25,6 @@ DATASETS_MAY_IMPORT = (
     "rng",
     "state",
     "storage",
-    "_filesystems",
-    "_s3_client",
     "datasets",
 )
 

@@ -19,15 +19,11 @@ from fsspec.implementations.memory import MemoryFileSystem
 from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 
-from savable_loader import (
-    ConfigError,
-    SavableDataLoader,
-    StorageError,
-    WorkerConfig,
-    WorkerContext,
-)
-from savable_loader.datasets import TableSource, retry, table_read
-from savable_loader.datasets.listing import LIST_AFTER
+from savable_loader import ConfigError, SavableDataLoader, StorageError, WorkerConfig, WorkerContext
+from savable_loader.datasets import TableSource
+from savable_loader.datasets.files import table_read
+from savable_loader.storage import retry
+from savable_loader.storage.listing import LIST_AFTER
 
 pytestmark = [S3FS_WARNINGS]
 

@@ -16,7 +16,7 @@ from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 
 from savable_loader import ConfigError, SavableDataLoader, StateError, StorageError, WorkerContext
-from savable_loader.datasets.tar import TarSource
+from savable_loader.datasets.files.tar import TarSource
 
 pytestmark = [S3FS_WARNINGS]
 

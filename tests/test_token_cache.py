@@ -18,10 +18,11 @@ from s3_server import S3, S3FS_WARNINGS
 from stage_harness import check_stage
 
 from savable_loader import ConfigError, SavableDataLoader, StorageError, WorkerContext
-from savable_loader.datasets import RetryPolicy, retry
-from savable_loader.datasets.cache import FileCache
-from savable_loader.datasets.jsonl import JsonLinesSource
-from savable_loader.datasets.tokens import TokenSource
+from savable_loader.datasets import RetryPolicy
+from savable_loader.datasets.files.jsonl import JsonLinesSource
+from savable_loader.datasets.files.tokens import TokenSource
+from savable_loader.storage import retry
+from savable_loader.storage.cache.node import FileCache
 
 pytestmark = [S3FS_WARNINGS]
 

@@ -14,7 +14,7 @@ import torch
 from stage_harness import check_stage
 
 from savable_loader import ConfigError, SavableDataLoader, WorkerContext
-from savable_loader.datasets.tokens import TokenSource
+from savable_loader.datasets.files.tokens import TokenSource
 
 slow = pytest.mark.slow
 SEQ = 8

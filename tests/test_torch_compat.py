@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from savable_loader import _torch_compat
+from savable_loader._channel import torch_compat as _torch_compat
 
 pytestmark = pytest.mark.slow
 

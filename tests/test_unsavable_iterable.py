@@ -10,12 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from savable_loader import (
-    ConfigError,
-    DatasetError,
-    SavableDataLoader,
-    UnsavableDatasetError,
-)
+from savable_loader import ConfigError, DatasetError, SavableDataLoader, UnsavableDatasetError
 from savable_loader.datasets import Map
 
 

@@ -17,12 +17,7 @@ from torch.utils.data import DataLoader
 
 from savable_loader import SavableDataLoader, WorkerConfig
 from savable_loader.cli import main
-from savable_loader.testing import (
-    ResumeMismatch,
-    VerifyReport,
-    assert_resumes_exactly,
-    verify,
-)
+from savable_loader.testing import ResumeMismatch, VerifyReport, assert_resumes_exactly, verify
 from savable_loader.testing.divergence import _differences
 
 HERE = Path(__file__).resolve()

@@ -18,14 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .demo_child import (
-    BATCH_SIZE,
-    EPOCHS,
-    DemoPaths,
-    DemoSettings,
-    read_digests,
-    summarize_ms,
-)
+from .demo_child import BATCH_SIZE, EPOCHS, DemoPaths, DemoSettings, read_digests, summarize_ms
 from .output import _PROG, _out, _plural
 
 _CHILD_TIMEOUT = 180.0

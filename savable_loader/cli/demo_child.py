@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from ..datasets.base import SavableDataset
+from ..datasets.protocol.base import SavableDataset
 from ..loader import SavableDataLoader
 from ..state.files import load_state, save_state
 from ..testing import digest

@@ -18,14 +18,7 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from ..errors import ConfigError
-from ..testing import (
-    ResumeMismatch,
-    Shape,
-    VerifyReport,
-    assert_elastic,
-    elastic_builder,
-    verify,
-)
+from ..testing import ResumeMismatch, Shape, VerifyReport, assert_elastic, elastic_builder, verify
 from .output import _PROG, _err, _out, _plural
 
 logger = logging.getLogger(__name__)

@@ -10,25 +10,25 @@ A stage of your own derives from :class:`Stage` (a source) or :class:`Transform`
 contract ] in ``cursor.py``).
 """
 
+from ..storage.retry import RetryPolicy
+from ..storage.stats import CacheStats
 from .adapt import as_stage
-from .base import SavableDataset
-from .blend import Blend
-from .cursor import Cursor, StageState, TransformCursor
-from .filter import Filter
-from .indexed import IndexedDataset
-from .jsonl import JsonLinesSource
-from .limit import Limit
-from .map import Map
-from .repeat import Repeat
-from .retry import RetryPolicy
-from .shuffle import Shuffle
-from .stage import Stage
-from .stateful import StatefulDataset, from_stateful
-from .storage_stats import CacheStats
-from .table import TableSource
-from .tar import TarSource
-from .tokens import TokenSource
-from .transform import Transform
+from .adapters.stateful import StatefulDataset, from_stateful
+from .files.jsonl import JsonLinesSource
+from .files.table import TableSource
+from .files.tar import TarSource
+from .files.tokens import TokenSource
+from .index.indexed import IndexedDataset
+from .protocol.base import SavableDataset
+from .protocol.cursor import Cursor, StageState, TransformCursor
+from .protocol.stage import Stage
+from .transforms.blend import Blend
+from .transforms.filter import Filter
+from .transforms.limit import Limit
+from .transforms.map import Map
+from .transforms.repeat import Repeat
+from .transforms.shuffle import Shuffle
+from .transforms.transform import Transform
 
 __all__ = [
     "Blend",

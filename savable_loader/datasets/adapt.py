@@ -50,12 +50,12 @@ from torch.utils.data import IterableDataset
 from ..config import WorkerContext
 from ..errors import ConfigError, SavableLoaderError, UnsavableDatasetError
 from ..state.names import qualified_name
-from .base import SavableDataset
-from .cursor import Cursor
-from .datapipes import is_datapipe, shard
-from .indexed import IndexedDataset
-from .stage import Stage
-from .stateful import StatefulDataset, is_stateful, iterator_is_stateful
+from .adapters.datapipes import is_datapipe, shard
+from .adapters.stateful import StatefulDataset, is_stateful, iterator_is_stateful
+from .index.indexed import IndexedDataset
+from .protocol.base import SavableDataset
+from .protocol.cursor import Cursor
+from .protocol.stage import Stage
 
 __all__ = ["DatasetStage", "UnsavableStage", "as_stage", "is_savable"]
 

@@ -51,12 +51,12 @@ from typing import Any, Protocol, TypeVar
 
 from ..config import WorkerContext
 from ..errors import ConfigError, StateError
-from .blend import Blend
-from .cursor import Cursor
-from .elastic import OldStream, ReshardPlan
-from .file_positions import laid_out_for, lanes_of
-from .indexed import IndexedCursor, IndexedDataset
-from .stage import Stage
+from .files.positions import laid_out_for, lanes_of
+from .index.indexed import IndexedCursor, IndexedDataset
+from .protocol.cursor import Cursor
+from .protocol.elastic import OldStream, ReshardPlan
+from .protocol.stage import Stage
+from .transforms.blend import Blend
 
 __all__ = ["ENDLESS", "FRESH", "Access", "GlobalView", "global_view"]
 

@@ -34,9 +34,10 @@ import stat
 from collections.abc import Sequence
 from typing import IO, Any, Literal, overload
 
-from .. import serialization, storage
-from .._filesystems import url_to_fs
+from .. import serialization
 from ..errors import StateFormatError, StorageError
+from ..storage import urls as storage
+from ..storage.filesystems import url_to_fs
 from .models import RankState
 
 __all__ = [

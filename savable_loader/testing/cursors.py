@@ -25,8 +25,8 @@ from typing import Any
 from .. import rng, serialization
 from ..config import WorkerContext
 from ..datasets.adapt import as_stage
-from ..datasets.cursor import Cursor
-from ..datasets.stage import Stage
+from ..datasets.protocol.cursor import Cursor
+from ..datasets.protocol.stage import Stage
 from ..plain import plain_copy
 from .digests import digest
 from .divergence import ResumeMismatch
