@@ -21,7 +21,7 @@ signed beforehand (presigned), which neither signs nor parses (no S3 client in P
 costs less), and the CPU per MB of a download written to a file. The configurations named
 ``.../s3fs`` send every request through s3fs, as the loader did before its own GETs went
 through botocore's synchronous client (NOTE [ Synchronous GETs ] in
-``savable_loader/_s3_client.py``), so each round measures that change too.
+``savable_loader/storage/s3_client.py``), so each round measures that change too.
 
 Run: ``python benchmarks/bench_client_cost.py`` (``--quick``: 1 round, prints only).
 """
@@ -62,7 +62,7 @@ CONFIGS = {
 }
 #: A configuration ending so sends every request through s3fs, as before the library's
 #: own GETs went through botocore's synchronous client (NOTE [ Synchronous GETs ] in
-#: ``savable_loader/_s3_client.py``): the change's effect, measured in the same rounds.
+#: ``savable_loader/storage/s3_client.py``): the change's effect, measured in the same rounds.
 VIA_S3FS = "/s3fs"
 #: The data: tar shards of ~100 KB samples and a table of 16 KB files, as bench_remote's.
 SIZES = bench_remote.Sizes(

@@ -1,7 +1,7 @@
 """What reading a file source by position costs: ``split="global"`` against ``"samples"``.
 
 ``split="global"`` (NOTE [ File sources by position ] in
-``savable_loader/datasets/file_positions.py``) gives the same global batches on every
+``savable_loader/datasets/files/positions.py``) gives the same global batches on every
 layout; its workers keep one forward reader per lane (``batch_size`` lanes a rank) and
 pass the samples of the other workers' steps, and the loader counts every file when it
 is built. This measures, for the same files read by one rank with 2 workers and batch 8

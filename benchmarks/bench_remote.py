@@ -26,22 +26,22 @@ Configurations (:data:`BASELINES`), every source with its defaults otherwise:
 * ``local``: the files on local disk, read in place.
 * ``s3-cache``: from S3 through an empty ``cache_dir`` (removed after each
   measurement). A file missing from it costs one ranged GET that brings its signature
-  (NOTE [ Probing a download ] in ``savable_loader/datasets/cache_probe.py``).
+  (NOTE [ Probing a download ] in ``savable_loader/storage/cache/probe.py``).
 * ``s3-direct``: from S3 without a cache, the floor.
 * ``s3-cache:listed`` (table): the cache with ``list_folders=True``, the signatures
   from listings of the folder (NOTE [ Listing folders ] in
-  ``savable_loader/datasets/listing.py``). moto answers a page of 1,000 keys in about
+  ``savable_loader/storage/listing.py``). moto answers a page of 1,000 keys in about
   0.2 s, so each worker's listing of the folder of 24,000 keys costs about 5 s of the
   server's CPU, which a measurement of seconds does not earn back.
 * ``local:files`` and ``s3-cache:files`` (tar, jsonl): ``split="files"``. With the
   default ``split="samples"`` the loader counts every file's samples when it is built
-  (NOTE [ Counting samples ] in ``sharded.py``), which through the cache downloads every
+  (NOTE [ Counting samples ] in ``datasets/files/sharded.py``), which through the cache downloads every
   file before the first batch, so the workers of ``s3-cache`` read local copies; with
   ``split="files"`` nothing is counted and the workers stream their shards through the
-  cache, downloading ahead (NOTE [ Prefetching files ] in ``cache.py``).
+  cache, downloading ahead (NOTE [ Prefetching files ] in ``storage/cache/node.py``).
 * ``local:counts`` and ``s3-cache:counts`` (tar, jsonl): ``split="samples"`` with a
   counts file written beside the files before the run (``counts=``: NOTE [ Counts files ]
-  in ``counts_file.py``), so that the loader counts nothing when it is built and the
+  in ``datasets/files/counts_file.py``), so that the loader counts nothing when it is built and the
   workers stream their shards through the cache as with ``split="files"``.
 
 Each configuration is compared with the local one of the same split (:data:`BASELINES`).
@@ -62,7 +62,7 @@ over the measurement's wall time: near 2, the run was bound by CPU, not by laten
 
 NOTE [ The cache's disk ]
 A cache entry creates four files (the data, its sidecar and two lock files:
-NOTE [ File cache ] in ``savable_loader/datasets/cache.py``), so a table of small files
+NOTE [ File cache ] in ``savable_loader/storage/cache/node.py``), so a table of small files
 pays for file creation once per row. On this project's VM, creating a file in a new folder under
 ``/tmp`` took 116 to 537 us, against 18 us under ``/work``, the same ext4 disk
 (measured 2026-11-27; the cause was not traced). ``--dir`` chooses where
@@ -344,7 +344,7 @@ def write_counts(root: Path, names: list[str], options: dict[str, Any]) -> None:
     """The counts files of the ``:counts`` configurations: one beside the local files, one
     beside the uploaded ones (written from the bucket's listing, so that it records the
     ETags), each counted as a loader would (NOTE [ Counts files ] in
-    ``savable_loader/datasets/counts_file.py``)."""
+    ``savable_loader/datasets/files/counts_file.py``)."""
     kinds = {"tar": (TarSource, "*.tar"), "jsonl": (JsonLinesSource, "*.jsonl.gz")}
     for name in names:
         if name in kinds:

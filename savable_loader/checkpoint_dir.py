@@ -21,7 +21,7 @@ best effort: a file that cannot be removed is logged and left.
 
 :func:`load_checkpoint` reads the metadata on every rank (a few hundred bytes). On the
 layout the save was taken on, each rank reads its own file only. On another layout
-(NOTE [ Elastic resume ] in ``datasets/elastic.py``) rank 0 reads every file and
+(NOTE [ Elastic resume ] in ``datasets/protocol/elastic.py``) rank 0 reads every file and
 computes each rank's new state once, then scatters them (``restore_state_global`` with
 ``src_rank=0``); every other rank reads nothing but the metadata. The metadata's file
 names are checked before any state file is read: each must be the name the library

@@ -25,7 +25,7 @@ class WorkerConfig:
             included) before raising :class:`~savable_loader.WorkerError`. It also bounds a
             worker's start-up while iterating (restoring its checkpoint and replaying to
             the saved position): a worker still starting after this long is reported as
-            hung (NOTE [ Watchdog ] in ``_stream.py``).
+            hung (NOTE [ Watchdog ] in ``_main/stream.py``).
         item_timeout: Seconds a worker may spend producing one item (one batch) before
             the loader reports it as hung with a :class:`~savable_loader.WorkerError`
             naming it, and stops it; 60 by default, like ``command_timeout``, so no wait
@@ -34,7 +34,7 @@ class WorkerConfig:
             report comes within ``item_timeout`` plus a poll interval (at most a quarter
             of it, and at most one second).
         checkpoint_share: Largest share of a worker's production time spent taking
-            checkpoints (NOTE [ Checkpoint policy ] in ``_ring.py``).
+            checkpoints (NOTE [ Checkpoint policy ] in ``_worker/ring.py``).
 
     Raises:
         ConfigError: A value is out of range, or ``rank`` or ``world_size`` is not an int
@@ -50,7 +50,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         # Saved in every state as strict ints (NOTE [ Arguments the state must carry ] in
-        # ``_checks.py``): refused here rather than at the first save.
+        # ``_main/arguments.py``): refused here rather than at the first save.
         for name in ("rank", "world_size"):
             value = getattr(self, name)
             if isinstance(value, bool):

@@ -106,7 +106,7 @@ class GlobalStates:
         Either every rank passes the full list (``src_rank=None``), or only ``src_rank``
         (a rank within the data-parallel group) does and each rank receives its own entry.
         A list saved with another number of ranks or workers is resharded (NOTE [ Elastic
-        resume ] in ``datasets/elastic.py``); ``approximate`` is as in
+        resume ] in ``datasets/protocol/elastic.py``); ``approximate`` is as in
         :meth:`restore_state_rank`.
 
         Raises:
@@ -197,7 +197,7 @@ def restore_state_global(
 
     A collective over the loader's group when ``torch.distributed`` is initialized. A
     list saved with another number of ranks or workers is resharded onto this layout
-    (NOTE [ Elastic resume ] in ``datasets/elastic.py``): with ``src_rank`` that rank
+    (NOTE [ Elastic resume ] in ``datasets/protocol/elastic.py``): with ``src_rank`` that rank
     computes every rank's new state and scatters them.
 
     Args:

@@ -126,7 +126,7 @@ class ApproximateResumeWarning(UserWarning):
     """A restore onto another layout was asked to be approximate and had to be.
 
     The message says which stage could not move its position and what the resumed
-    stream repeats or skips (NOTE [ Elastic resume ] in ``datasets/elastic.py``).
+    stream repeats or skips (NOTE [ Elastic resume ] in ``datasets/protocol/elastic.py``).
     """
 
 

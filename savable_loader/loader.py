@@ -2,9 +2,10 @@
 
 The public face: it turns its arguments into a pipeline (``as_stage``, then ``Batch``),
 runs it through torch's ``DataLoader`` over the worker wrapper, keeps the bookkeeping of
-what it handed on (``_book.py``), and saves and restores it. The workers' runtime is
-``_runtime.py``, one run of the workers ``_stream.py``, state compatibility ``_compat.py``.
-The stream's lifecycle (epochs, workers per epoch, errors) is described in ``_iterator.py``.
+what it handed on (``_main/book.py``), and saves and restores it. The workers' runtime is
+``_worker/runtime.py``, one run of the workers ``_main/stream.py``, state compatibility
+``_resume/compat.py``. The stream's lifecycle (epochs, workers per epoch, errors) is described in
+``_main/iterator.py``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class SavableDataLoader(
         sampler: As in ``DataLoader`` (map-style datasets): drawn in the main process each
             epoch, saved as the generators it draws from (NOTE [ Epoch orders ]).
         batch_sampler: As in ``DataLoader``, likewise. The loader's attributes show them as
-            torch's do (NOTE [ What the loader shows of its arguments ] in ``_shown.py``).
+            torch's do (NOTE [ What the loader shows of its arguments ] in ``_main/shown.py``).
         num_workers: Worker processes; 0 runs the pipeline in the main process.
         collate_fn: Merges items into a batch (default: torch's ``default_collate``).
         pin_memory: As in ``DataLoader``.
@@ -133,7 +134,7 @@ class SavableDataLoader(
         )
         #: The pipeline the loader reads, as a stage (``datasets.as_stage(dataset)``).
         self.source, root, self._pipeline = pipeline.source, pipeline.root, pipeline
-        #: NOTE [ Epoch orders ] in ``_sampling.py``; None when nothing is drawn there.
+        #: NOTE [ Epoch orders ] in ``_main/sampling.py``; None when nothing is drawn there.
         self._planner = pipeline.planner
         #: Workers start anew for every epoch (NOTE [ Workers per epoch ]).
         self._restarts = num_workers > 0 and (not persistent_workers or pipeline.drawn_each_epoch)
@@ -186,7 +187,7 @@ class SavableDataLoader(
             object.__setattr__(self, name, value)
         if "__dataset" in self.__dict__:  # Lightning's record of the dataset: NOTE above
             object.__setattr__(self, "__dataset", dataset)
-        #: What a state is checked against and resharded for (``_compat.py``).
+        #: What a state is checked against and resharded for (``_resume/compat.py``).
         self.layout = Layout(
             root, seed, self.rank, self.world_size, num_workers, seed_each_item=seed_each_item
         )
@@ -374,7 +375,7 @@ class SavableDataLoader(
         :meth:`save_state_global` or :func:`~savable_loader.load_state` return it), from
         which this rank takes its own. A list saved with another number of workers or
         ranks is resharded onto this loader's (NOTE [ Elastic resume ] in
-        ``datasets/elastic.py``); a single state may change the number of workers only
+        ``datasets/protocol/elastic.py``); a single state may change the number of workers only
         when it was saved on one rank. ``state`` is never modified. The next item comes
         from the restored position; a state saved after an epoch's end restores to
         between epochs.
@@ -414,7 +415,7 @@ class SavableDataLoader(
     ) -> RankState:
         """Returns rank ``rank``'s state in this loader's layout from every rank's state of
         a save made with another number of workers or ranks (NOTE [ Elastic resume ] in
-        ``datasets/elastic.py``). Nothing is restored; no process is started.
+        ``datasets/protocol/elastic.py``). Nothing is restored; no process is started.
 
         Raises:
             StateError: As :meth:`restore_state_rank`.
@@ -426,7 +427,7 @@ class SavableDataLoader(
 
         The result is ``{"rank_<r>": <encoded state>}``: one key per data-parallel rank,
         whose value is :meth:`save_state_rank` as a state file's bytes (a checked header,
-        msgpack) in base64 text. See NOTE [ state_dict for checkpoints ] in ``_compat.py``.
+        msgpack) in base64 text. See NOTE [ state_dict for checkpoints ] in ``_resume/compat.py``.
         """
         return {state_key(self.rank): encode_state(self.save_state_rank(), text=True)}
 

@@ -48,7 +48,7 @@ def kill(pid: int, timeout: float = 10.0) -> None:
     """Kills ``pid`` (SIGKILL) and returns once it has died.
 
     The loader takes its workers off torch's SIGCHLD watch (NOTE [ Worker deaths are found
-    where they are asked about ] in ``_stream.py``); a worker of torch's own ``DataLoader``
+    where they are asked about ] in ``_main/stream.py``); a worker of torch's own ``DataLoader``
     is on it, and its death raises RuntimeError in the main thread wherever it is: here,
     where it is absorbed.
     """

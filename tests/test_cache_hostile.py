@@ -1,7 +1,7 @@
 """A cache folder others can write, damaged entries, and what a close leaves behind:
 planted links are refused and never followed, a damaged entry is downloaded again
 instead of served, released prefetches are evicted, and no partial download outlives
-the process that made it (NOTE [ File cache ] in ``cache.py``)."""
+the process that made it (NOTE [ File cache ] in ``storage/cache/node.py``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A download into the cache takes the file's signature from its first ranged GET, not a
-HEAD before it (NOTE [ Probing a download ] in ``savable_loader/datasets/cache_probe.py``).
+HEAD before it (NOTE [ Probing a download ] in ``savable_loader/storage/cache/probe.py``).
 
 Against moto's S3 server on loopback, through a ``FaultProxy`` that records every
 request's method, so each test states the requests an open costs.

@@ -1,5 +1,5 @@
 """Reading a download as it arrives (NOTE [ Reading a download ] in
-``datasets/cache_stream.py``): a stream's reader that downloads a large file into the cache
+``storage/cache/download.py``): a stream's reader that downloads a large file into the cache
 gets its first bytes before the last ones land, reads what a fault-free whole download
 would give, sees a failed or changed download as an error it retries, and leaves a valid
 entry behind even when it stops early."""

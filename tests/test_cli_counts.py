@@ -1,5 +1,5 @@
 """``savable-loader counts``: a counts file written from the shell reads back as the one
-``write_counts`` writes (NOTE [ Counts files ] in ``datasets/counts_file.py``), local or
+``write_counts`` writes (NOTE [ Counts files ] in ``datasets/files/counts_file.py``), local or
 on S3 with the credentials of the environment; bad usage exits 2 with one line."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Counts files (NOTE [ Counts files ] in ``datasets/counts_file.py``): a source built with
+"""Counts files (NOTE [ Counts files ] in ``datasets/files/counts_file.py``): a source built with
 ``counts=`` takes the samples of its unchanged files from the file instead of reading
 them, splits and resumes exactly as when it counts, recounts what changed, and refuses a
 counts file it cannot trust with the library's own errors."""

@@ -1,7 +1,7 @@
 """Torch's ``IterDataPipe`` reads as torch's ``DataLoader`` reads it: its sharding filter
 splits the items over workers and ranks, ``shuffle=`` switches its shuffle steps, and
 each epoch shuffles anew, alike everywhere (NOTE [ DataPipes ] in
-``savable_loader/datasets/datapipes.py``)."""
+``savable_loader/datasets/adapters/datapipes.py``)."""
 
 from __future__ import annotations
 

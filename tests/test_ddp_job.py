@@ -13,7 +13,7 @@ NOTE [ Uneven files in a DDP job ]
 A rank that yields more batches than another hangs a DDP job in the gradient all-reduce
 that the other rank never joins. ``JsonLinesSource`` and ``TarSource`` share an epoch's
 samples out so that every rank reads as many (NOTE [ Splitting files by samples ] in
-``datasets/sample_split.py``): the files here have uneven sizes on purpose, and the job
+``datasets/files/sample_split.py``): the files here have uneven sizes on purpose, and the job
 checks every rank took as many steps. ``test_uneven_files_give_every_rank_as_many_steps``
 checks the counts directly, and that ``split="files"`` (whole files per stream) does not
 give that guarantee.

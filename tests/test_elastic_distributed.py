@@ -1,6 +1,6 @@
 """Elastic resume over real process groups (gloo): a save made on R ranks x W workers is
 restored onto R' ranks x W' workers (NOTE [ Elastic resume ] in
-``savable_loader/datasets/elastic.py``).
+``savable_loader/datasets/protocol/elastic.py``).
 
 Four gloo jobs serve every test: a save on 2 ranks, a save on 3 ranks, a restore on 2
 ranks and a restore on 3 ranks, each covering several scenarios; the one-rank side of a

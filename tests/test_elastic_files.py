@@ -1,5 +1,5 @@
 """Elastic restores of the file sources with ``split="files"`` (NOTE [ Elastic file order ]
-in ``file_rest.py``); ``tests/test_split_samples.py`` covers ``split="samples"``.
+in ``datasets/files/reshard.py``); ``tests/test_split_samples.py`` covers ``split="samples"``.
 
 Each scenario reads a varying number of items from every stream of a saved layout
 (none, part of a file, exactly one file, the whole epoch), reshards the states onto

@@ -1,6 +1,6 @@
 """Samplers that never end (or give more than their ``len()``) are read lazily, as torch
 reads them, and resume exactly by count (NOTE [ Endless samplers ] in
-``savable_loader/_sampling.py``)."""
+``savable_loader/_main/sampling.py``)."""
 
 from __future__ import annotations
 

@@ -3,14 +3,14 @@
 
 - the dataset's ``save_state()`` blocks inside a worker, at a checkpoint after an item or
   at the end of an epoch: a hung worker, reported within ``command_timeout`` (NOTE
-  [ Watchdog ] in ``_stream.py``);
+  [ Watchdog ] in ``_main/stream.py``);
 - the dataset's ``save_state()`` raises inside a worker: a :class:`DatasetError` naming
-  the worker and the item (NOTE [ Pipeline errors ] in ``_events.py``);
+  the worker and the item (NOTE [ Pipeline errors ] in ``_channel/events.py``);
 - a worker frozen (SIGSTOP) during a save: it is killed, and ``close()`` returns at once
-  (NOTE [ Workers given up on ] in ``_stream.py``);
+  (NOTE [ Workers given up on ] in ``_main/stream.py``);
 - ``torch.multiprocessing``'s ``file_system`` sharing strategy: stopping the workers
   removes no shared memory file a live tensor still owns (NOTE [ Shared memory of a
-  killed worker ] in ``_torch_compat.py``).
+  killed worker ] in ``_channel/torch_compat.py``).
 
 Each case asserts the error type, its message and its bound, and that the last good
 state resumes into a clean loader that yields exactly the uninterrupted stream's
@@ -48,7 +48,7 @@ EPOCHS = 2
 BATCH = 2
 WORKERS = 2
 #: Per item: enough that the worker checkpoints every batch or nearly (NOTE [ Checkpoint
-#: policy ] in ``_ring.py``), so the faulty save_state() runs after an item.
+#: policy ] in ``_worker/ring.py``), so the faulty save_state() runs after an item.
 COST = 0.01
 COMMAND_TIMEOUT = 2.0
 ITEM_TIMEOUT = 2.0

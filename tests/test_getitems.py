@@ -1,6 +1,6 @@
 """A map-style dataset's ``__getitems__`` reads each batch in one call, as torch's
 ``DataLoader`` reads it, and replays exactly (NOTE [ A batch read at once ] in
-``savable_loader/datasets/indexed.py``)."""
+``savable_loader/datasets/index/indexed.py``)."""
 
 from __future__ import annotations
 

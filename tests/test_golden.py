@@ -35,7 +35,7 @@ EPOCHS = 3
 @pytest.fixture(autouse=True)
 def stored_orders(monkeypatch: pytest.MonkeyPatch) -> None:
     """The goldens were saved before computed orders (NOTE [ Computed epoch orders ] in
-    ``datasets/permutation.py``): their states restore with the stored permutations
+    ``datasets/index/permutation.py``): their states restore with the stored permutations
     they were saved with, and the uninterrupted runs they are compared with are fresh
     runs of that version, which drew those permutations too."""
     from savable_loader.datasets import global_view

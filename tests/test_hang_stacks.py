@@ -1,5 +1,5 @@
 """A hung worker's error carries what its threads were doing (NOTE [ Stacks of a hung
-worker ] in ``savable_loader/_commands.py``): hung in a sleep, stuck with the GIL held,
+worker ] in ``savable_loader/_channel/commands.py``): hung in a sleep, stuck with the GIL held,
 in ``worker_init_fn``, frozen, with its ``SIGUSR2`` taken by the user's code, and under
 spawn. A worker hung before the loader's code ran is ``test_unstarted_workers.py``."""
 
@@ -118,7 +118,7 @@ def test_a_worker_stuck_with_the_gil_held_still_shows_its_stack() -> None:
 def test_a_batch_taken_from_a_worker_stuck_with_the_gil_held_ends_in_the_same_error() -> None:
     """The main thread, taking in the worker's first batch, waits on a thread of the
     worker for its shared memory; the worker is hung with the GIL held by then (NOTE
-    [ A fetch stuck on a worker ] in ``savable_loader/_fetch_guard.py``)."""
+    [ A fetch stuck on a worker ] in ``savable_loader/_main/fetch_guard.py``)."""
     config = WorkerConfig(command_timeout=2)
     with _loader(_holds_the_gil_after_a_batch, config) as loader:
         stream = iter(loader)
@@ -165,7 +165,7 @@ def test_a_worker_whose_sigusr2_the_user_took_is_not_signalled(
 def test_a_hang_in_worker_init_fn_shows_its_stack() -> None:
     """The stacks are registered before the user's ``worker_init_fn`` runs; a worker
     hung in it has started (it is not started again: NOTE [ Workers that never started ]
-    in ``_iterator.py``)."""
+    in ``_main/iterator.py``)."""
     config = WorkerConfig(command_timeout=2)
     with _loader(_sleeps, config, worker_init_fn=_init_hangs) as loader:
         _, message = _error(loader)

@@ -301,7 +301,7 @@ def test_a_loader_dropped_mid_epoch_stops_its_workers_without_a_garbage_collecti
 ) -> None:
     """As torch's: the workers of a loader left mid-epoch inside a function stop when the
     function returns, not at the next garbage collection (NOTE [ Workers stop with the
-    loader ] in ``_stream.py``)."""
+    loader ] in ``_main/stream.py``)."""
 
     def leave(cls: type[torch.utils.data.DataLoader[Any]]) -> None:
         loader = cls(

@@ -81,7 +81,7 @@ def test_it_is_adapted_and_asking_leaves_it_as_it_was():
 def test_it_resumes_exactly(num_workers, shuffle):
     """With 0 workers the iterator's state is loaded as the epoch's first item is read,
     after the loader put the pipeline's generators back: its ``torch.get_rng_state()``
-    must be the pipeline's too (NOTE [ No workers ] in ``_runtime.py``)."""
+    must be the pipeline's too (NOTE [ No workers ] in ``_worker/runtime.py``)."""
     report = assert_resumes_exactly(
         lambda: _loader(
             _Sized([7, 4], shuffle),

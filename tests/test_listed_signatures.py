@@ -1,5 +1,5 @@
 """File sources spend their listing's signatures on the cache (NOTE [ Listed signatures ]
-in ``savable_loader/datasets/files.py``): a cached file costs no request to open, and a
+in ``savable_loader/datasets/files/file_list.py``): a cached file costs no request to open, and a
 file replaced since the listing is still read as it is now, never lost or mixed.
 
 Against moto's S3 server on loopback, through a proxy that records every request's method,

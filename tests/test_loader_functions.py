@@ -1,6 +1,6 @@
 """``loader.collate_fn`` and ``loader.worker_init_fn`` read as torch's and may be set after
 construction (NOTE [ What the loader shows of its arguments ] and NOTE [ A collate_fn set
-later ] in ``savable_loader/_shown.py``)."""
+later ] in ``savable_loader/_main/shown.py``)."""
 
 from __future__ import annotations
 

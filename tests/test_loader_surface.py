@@ -2,7 +2,7 @@
 ``loader.sampler`` and ``loader.batch_sampler`` are the ones it passed (or torch built),
 ``loader.dataset`` its dataset, while torch's iterator underneath still reads the worker
 wrapper and an endless placeholder (NOTE [ What the loader shows of its arguments ] in
-``savable_loader/_shown.py``).
+``savable_loader/_main/shown.py``).
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ def _read_in_child(loader: SavableDataLoader[Any], queue: Any) -> None:
 def test_a_loader_sent_to_a_spawned_process_reads_its_stream_there() -> None:
     """``mp.spawn`` (Lightning's ``ddp_spawn``) pickles its arguments through shared
     memory, where a ``torch.Generator`` cannot go (NOTE [ A loader sent to a spawned
-    process ] in ``_shown.py``): the loader's own generators travel as bytes."""
+    process ] in ``_main/shown.py``): the loader's own generators travel as bytes."""
     with SavableDataLoader(list(range(10)), batch_size=3, shuffle=True, seed=2) as loader:
         want = _plain(SavableDataLoader(list(range(10)), batch_size=3, shuffle=True, seed=2))
         context = torch.multiprocessing.get_context("spawn")
@@ -392,7 +392,7 @@ def test_lightning_rebuilds_it_with_a_distributed_sampler_as_it_rebuilds_torchs(
     """Lightning re-creates a loader built in a ``*_dataloader`` hook with a
     ``DistributedSampler`` from the arguments it recorded, and its record of the dataset
     is the user's, not the wrapper torch reads (NOTE [ What the loader shows of its
-    arguments ] in ``_shown.py``): the rebuilt loader reads rank 0's share, as torch's."""
+    arguments ] in ``_main/shown.py``): the rebuilt loader reads rank 0's share, as torch's."""
     hooks = pytest.importorskip("lightning.fabric.utilities.data")
     update = pytest.importorskip("lightning.pytorch.utilities.data")._update_dataloader
     dataset = Numbers()

@@ -1,5 +1,5 @@
 """An error of a map-style read goes on as torch's DataLoader goes on
-(NOTE [ Going on after an error ] in ``_runtime.py``): the exception keeps its type, the
+(NOTE [ Going on after an error ] in ``_worker/runtime.py``): the exception keeps its type, the
 batch is dropped,
 the next ``next()`` reads the next batch, and a save anywhere, just after an error
 included, resumes exactly."""

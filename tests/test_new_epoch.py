@@ -1,6 +1,6 @@
 """A new ``iter()`` starts a new epoch, as with torch; interrupts and save errors keep the
-position (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``, NOTE [ Interrupts ]
-in ``_runtime.py``). The comparisons with torch's ``DataLoader`` are in
+position (NOTE [ A new iter() starts an epoch ] in ``_main/iterator.py``, NOTE [ Interrupts ]
+in ``_worker/runtime.py``). The comparisons with torch's ``DataLoader`` are in
 ``test_torch_semantics.py``; these check what only this loader has: the state after a
 cut, chains of cuts and restores, and the failures around them."""
 

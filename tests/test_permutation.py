@@ -1,4 +1,4 @@
-"""Computed epoch orders (NOTE [ Computed epoch orders ] in ``datasets/permutation.py``):
+"""Computed epoch orders (NOTE [ Computed epoch orders ] in ``datasets/index/permutation.py``):
 a keyed bijection of ``[0, n)`` evaluated position by position, so a shuffled epoch of
 10**10 items costs what one of 10**6 does; states saved before keep their stored order."""
 

@@ -1,5 +1,5 @@
 """An elastic restore brings the saved streams to their positions once, whatever the
-number of new ranks (NOTE [ One reshard per restore ] in ``_elastic.py``): with
+number of new ranks (NOTE [ One reshard per restore ] in ``_resume/elastic.py``): with
 ``src_rank`` one rank computes every new rank's state, and the replays and item reads
 that costs are those of a single new rank's. The states it hands out resume exactly.
 

@@ -1,5 +1,5 @@
 """Malformed states are refused by the restore, before any worker starts (NOTE [ States
-checked at the door ] in ``datasets/stage.py``), and ``state_dict()`` is JSON.
+checked at the door ] in ``datasets/protocol/stage.py``), and ``state_dict()`` is JSON.
 
 Before the check, a checkpoint whose pipeline state was None (or a stage's ``parent``)
 passed the restore and started the epoch over while the loader kept the saved position;

@@ -1,5 +1,5 @@
 """The library's own GETs go through botocore's synchronous client where it can copy s3fs's
-client exactly, and read as s3fs's would (NOTE [ Synchronous GETs ] in ``_s3_client.py``):
+client exactly, and read as s3fs's would (NOTE [ Synchronous GETs ] in ``storage/s3_client.py``):
 the same bytes, the same signature as ``info()``, the same errors; any setting it cannot
 copy leaves the request to s3fs."""
 

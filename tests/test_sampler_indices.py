@@ -1,6 +1,6 @@
 """A sampler's indices reach the dataset as the sampler gave them, as with torch: lists for
 bulk loading, keys of a dict, NumPy integers, tensors (NOTE [ Samplers are sources ] in
-``savable_loader/datasets/sampled.py``)."""
+``savable_loader/datasets/index/sampled.py``)."""
 
 from __future__ import annotations
 

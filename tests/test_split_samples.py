@@ -1,7 +1,7 @@
 """File sources with ``split="samples"``: every rank reads as many samples, a restore on
 the same layout or another one is exact, and bad states or changed files are refused
 (NOTE [ Splitting files by samples ] and NOTE [ Elastic sample order ] in
-``datasets/sample_split.py``)."""
+``datasets/files/sample_split.py``)."""
 
 from __future__ import annotations
 

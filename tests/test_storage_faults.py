@@ -5,7 +5,7 @@ Nothing is mocked in process: s3fs and botocore talk HTTP to the proxy
 (``tests/s3_server.py``) and answers a share of object reads ``503 SlowDown`` or cuts
 them mid-body. For transient faults botocore's and s3fs's own retries are switched off
 (the ``options`` fixture), so that every fault reaches the sources' retries (NOTE
-[ Retries ] in ``retry.py``), whose waits are shortened. Checked: the stream under
+[ Retries ] in ``storage/retry.py``), whose waits are shortened. Checked: the stream under
 faults equals the fault-free one read from the same bucket; a state saved under faults
 restores exactly in a fresh loader under faults; a permanent error (403, 404) is a
 ``StorageError`` naming the object, retried by nobody (the default client stack, this

@@ -1,4 +1,4 @@
-"""The storage figures without a cache (NOTE [ Direct reads ] in ``counted_reads.py``):
+"""The storage figures without a cache (NOTE [ Direct reads ] in ``storage/counted_reads.py``):
 what a source reading ``s3://`` directly reports, per process and per worker, and the
 waits of ``TableSource``'s reader counted once (NOTE [ Fetching files ahead ]).
 

@@ -162,3 +162,34 @@ def test_every_note_reference_names_a_note() -> None:
             mentioned.setdefault(" ".join(match.group(1).split()), set()).add(name)
     dangling = {note: sorted(where) for note, where in mentioned.items() if note not in defined}
     assert not dangling
+
+
+_NOTE_IN = re.compile(r"NOTE \[ ([^\]]+?) \]\)?,?\s+in\s+``?([\w/]+\.py)``?", re.DOTALL)
+_DOCS = [*sorted((PACKAGE.parent / "docs").rglob("*.md")), PACKAGE.parent / "README.md"]
+
+
+def _note_homes() -> dict[str, set[Path]]:
+    homes: dict[str, set[Path]] = {}
+    for path in MODULES.values():
+        for match in re.finditer(r"^\s*NOTE \[ ([^\]]+?) \]\s*$", path.read_text(), re.M):
+            homes.setdefault(match.group(1), set()).add(path)
+    return homes
+
+
+def test_a_note_reference_that_names_a_file_names_the_file_of_the_note() -> None:
+    """``NOTE [ X ] in ``path.py``: the path (from the package root, or beside the file
+    that mentions it) is where the note is written, so that a reader lands on it."""
+    homes = _note_homes()
+    wrong = []
+    for path in [*MODULES.values(), *_DOCS]:
+        for match in _NOTE_IN.finditer(path.read_text()):
+            note, named = " ".join(match.group(1).split()), match.group(2)
+            named = named.removeprefix("savable_loader/")
+            candidates = {PACKAGE / named, path.parent / named}
+            if (PACKAGE.parent / named).exists() or (
+                PACKAGE.parent / "benchmarks" / named
+            ).exists():
+                continue  # a note of the benchmarks or the tests
+            if not candidates & homes.get(note, set()):
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}: NOTE [ {note} ] in {named}")
+    assert not wrong, "\n".join(wrong)

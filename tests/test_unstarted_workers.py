@@ -1,5 +1,5 @@
 """Workers that hang before any of the loader's code runs in them (NOTE [ Workers that
-never started ] in ``savable_loader/_iterator.py``): the loader keeps its position, starts
+never started ] in ``savable_loader/_main/iterator.py``): the loader keeps its position, starts
 its workers again and the stream is the uninterrupted one; a worker that never starts
 still ends in a ``WorkerError``.
 

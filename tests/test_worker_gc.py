@@ -1,5 +1,5 @@
 """A worker's garbage collector skips what the worker inherited (NOTE [ Inherited objects
-are frozen ] in ``savable_loader/_worker.py``)."""
+are frozen ] in ``savable_loader/_worker/wrapper.py``)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ handler, in C, without the GIL: every thread's Python stack, which the loader's 
 then carries. A worker whose ``SIGUSR2`` is someone else's (a handler the process had,
 or one the user's ``worker_init_fn`` installs) writes another marker and is not
 signalled. A worker that wrote no marker at all hung before the loader's code ran in it,
-in torch's worker start-up: NOTE [ Workers that never started ] in ``_iterator.py``. Torch's
+in torch's worker start-up: NOTE [ Workers that never started ] in ``_main/iterator.py``. Torch's
 workers use no ``SIGUSR2`` of their own.
 """
 

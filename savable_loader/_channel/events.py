@@ -2,11 +2,11 @@
 
 NOTE [ Events ]
 Torch's ``DataLoader`` runs underneath with ``batch_size=None`` over the worker wrapper
-(``_worker.py``), which yields ``(worker_id, seq, kind, payload)`` tuples. ``kind`` is
+(``_worker/wrapper.py``), which yields ``(worker_id, seq, kind, payload)`` tuples. ``kind`` is
 ITEM (a batch, collated in the worker), END (this worker's epoch ended; it still takes a
 turn in torch's round-robin, then the worker stops), PLACEHOLDER (one per worker before
 the saved next worker, in the first epoch after a restore; see NOTE [ Worker order ] in
-``_book.py``) or ERROR (the pipeline raised; see NOTE [ Pipeline errors ]). The loader
+``_main/book.py``) or ERROR (the pipeline raised; see NOTE [ Pipeline errors ]). The loader
 drops END and PLACEHOLDER and counts the rest.
 
 NOTE [ Pipeline errors ]
@@ -23,7 +23,7 @@ exception type need not pickle); only its type's name and plain arguments do, an
 runtime is marked failed so that no checkpoint is ever taken of the broken state. A
 map-style read is the exception: its cursor already stands past the failed batch, so the
 worker goes on, and its ERROR event is counted like an item
-(NOTE [ Going on after an error ] in ``_runtime.py``).
+(NOTE [ Going on after an error ] in ``_worker/runtime.py``).
 
 NOTE [ Checkpoint faults ]
 A checkpoint runs the pipeline's ``save_state()`` (every stage's ``state()``) in the
@@ -32,7 +32,7 @@ sent. When it raises, the worker sends an ERROR event in the event's place (NOTE
 [ Pipeline errors ]) whose :class:`Failure` names the item (or the end) the checkpoint
 followed: the loader stands just before that event, and a retry recomputes it from an
 earlier checkpoint. While it runs, the worker reports the CHECKPOINTING phase, which the
-watchdog bounds by ``command_timeout`` (NOTE [ Watchdog ] in ``_stream.py``): a
+watchdog bounds by ``command_timeout`` (NOTE [ Watchdog ] in ``_main/stream.py``): a
 checkpoint is the library's work, not an item's, so ``item_timeout=None`` does not lift
 the bound. Checkpoints taken at start-up are part of the STARTING phase, bounded alike.
 
@@ -40,13 +40,13 @@ NOTE [ worker_init_fn errors ]
 Torch calls ``worker_init_fn`` before it first iterates the wrapper, and when it raises,
 torch starts no iteration in that worker: no command thread, so the loader's watchdog
 would wait ``command_timeout`` for an answer. The loader's own ``worker_init_fn``
-(``WorkerInit`` in ``_worker.py``) therefore catches the user's exception and keeps it
+(``WorkerInit`` in ``_worker/wrapper.py``) therefore catches the user's exception and keeps it
 as a :class:`Failure` with ``in_init`` set; the wrapper then starts its command thread
 as usual (answering a save with the worker's start checkpoint: it produced nothing) and
 yields the failure as its first event. The loader raises it as torch does: an exception
 of the original type whose message is "Caught <Type> in DataLoader worker process <id>."
 followed by the worker's traceback, and keeps its position (NOTE [ Errors stop the
-stream ] in ``loader.py``), so the next next() starts the workers, and their
+stream ] in ``_main/iterator.py``), so the next next() starts the workers, and their
 ``worker_init_fn``, anew.
 """
 
@@ -87,7 +87,7 @@ Event = tuple[int, int, int, Any]
 
 
 #: The key of a worker's answer to a checkpoint request when its ``worker_init_fn``
-#: raised and it could not make the cut it was started for (``_worker.py``).
+#: raised and it could not make the cut it was started for (``_worker/wrapper.py``).
 FAILED_INIT = "failed_init"
 
 
@@ -112,7 +112,7 @@ class Failure:
             (the pipeline's ``save_state()``): "item" after an item, "end" after the end
             of its epoch; None otherwise.
         goes_on: The event is counted like an item and the stream goes on after it
-            (NOTE [ Going on after an error ] in ``_runtime.py``).
+            (NOTE [ Going on after an error ] in ``_worker/runtime.py``).
     """
 
     worker_id: int
@@ -164,7 +164,7 @@ class Failure:
 
     def raised(self, *, in_worker: bool, epoch: int, lost: str | None) -> BaseException:
         """The error the loader raises for this failure (NOTE [ Errors stop the stream ] in
-        ``loader.py``): a :class:`~savable_loader.DatasetError` naming the worker and the
+        ``_main/iterator.py``): a :class:`~savable_loader.DatasetError` naming the worker and the
         item, chained from the original, or the library's own error type.
 
         Args:
@@ -261,7 +261,7 @@ def as_original_type(
 ) -> BaseException:
     """A :class:`~savable_loader.DatasetError` that is also of ``original``'s type, as
     torch re-raises a worker's exception with its own type
-    (NOTE [ Going on after an error ] in ``_runtime.py``); a plain ``DatasetError`` when
+    (NOTE [ Going on after an error ] in ``_worker/runtime.py``); a plain ``DatasetError`` when
     no such class can be built (a layout conflict, a constructor that refuses one
     message) or for ``StopIteration``, which would end the training loop's ``for``
     without a word."""
@@ -332,7 +332,7 @@ class _KeyErrorMessage(str):
 
 class Progress:
     """What a worker is doing, read by its command thread (NOTE [ Watchdog ] in
-    ``_stream.py``).
+    ``_main/stream.py``).
 
     The phase is STARTING (restoring a checkpoint and replaying, up to the first event),
     PRODUCING (item ``seq``), CHECKPOINTING (taking the checkpoint that follows event

@@ -9,14 +9,14 @@ from a slow one while waiting on a command, or to stop one that hung, and taking
 torch's SIGCHLD watch (:func:`unwatch_workers`). One behaviour is
 relied on without a private name: an iterator whose ``timeout`` expired raises
 RuntimeError("DataLoader timed out after ...") and, asked again, keeps waiting for the
-same item, losing nothing (NOTE [ Watchdog ] in ``_stream.py``).
+same item, losing nothing (NOTE [ Watchdog ] in ``_main/stream.py``).
 ``tests/test_torch_compat.py`` pins each behaviour used here, so a torch upgrade that
 changes one fails there first.
 
 NOTE [ Delivery order before in_order ]
 ``DataLoader`` takes ``in_order`` from torch 2.6 on; it defaults to True, and torch
 before it always delivered in order (round-robin over workers, NOTE [ Worker order ] in
-``_book.py``). :func:`in_order_argument` passes ``in_order=True`` where torch takes it
+``_main/book.py``). :func:`in_order_argument` passes ``in_order=True`` where torch takes it
 and nothing where it does not, so the loader asks for the same order on every torch it
 supports.
 
@@ -54,7 +54,7 @@ wrapper) right before it calls ``worker_init_fn``, and ``get_worker_info()`` ret
 same object for the rest of the worker's life. ``WorkerInfo`` refuses attribute
 assignment (a frozen dataclass in recent torch, a guarded ``__setattr__`` before), so
 :func:`set_worker_dataset` writes the attribute with ``object.__setattr__``, from the
-loader's own ``worker_init_fn`` (``_worker.py``): from then on ``worker_info.dataset`` is
+loader's own ``worker_init_fn`` (``_worker/wrapper.py``): from then on ``worker_info.dataset`` is
 the user's dataset, inside the user's ``worker_init_fn`` and during iteration.
 """
 
@@ -278,7 +278,7 @@ class _DoneFlag:
 
 def unwatch_workers(iterator: Any) -> None:
     """Takes the iterator's workers off torch's SIGCHLD watch (NOTE [ Worker deaths are
-    found where they are asked about ] in ``_stream.py``); torch's shutdown then skips
+    found where they are asked about ] in ``_main/stream.py``); torch's shutdown then skips
     them there too. A no-op once done, and for an iterator without workers."""
     if getattr(iterator, "_worker_pids_set", False):
         signal_handling._remove_worker_pids(id(iterator))  # type: ignore[attr-defined]

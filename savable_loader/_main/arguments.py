@@ -7,7 +7,7 @@ would let the loader run until its first save and fail there, so it is refused h
 a bool (torch takes ``num_workers=True`` for 1 worker; ``seed=True`` is a slip), more
 workers than a state holds (4096), and a seed outside msgpack's integer range, -2**63
 to 2**64-1 (the range ``torch.Generator.manual_seed`` takes as well). A bool
-``batch_size`` is refused with torch's message (``_pipeline.py``), a bool ``rank`` or
+``batch_size`` is refused with torch's message (``_main/pipeline.py``), a bool ``rank`` or
 ``world_size`` by ``WorkerConfig``.
 """
 
@@ -32,8 +32,8 @@ def check_arguments(
 ) -> None:
     """Refuses arguments the loader cannot honour exactly.
 
-    Batching arguments are checked by the batching stage (``datasets/batch.py``); the
-    sampling arguments by torch itself (``_pipeline.py``). What the saved state must carry
+    Batching arguments are checked by the batching stage (``datasets/transforms/batch.py``); the
+    sampling arguments by torch itself (``_main/pipeline.py``). What the saved state must carry
     is refused here rather than at the first save (NOTE [ Arguments the state must
     carry ]). What torch's ``DataLoader`` refuses is refused with torch's message, in
     torch's order, before the pipeline is built.

@@ -45,7 +45,7 @@ class Book:
     next_worker: int
     resume: list[Checkpoint | None] = field(compare=False)
     #: The workers whose epoch the loader cut (NOTE [ A new iter() starts an epoch ] in
-    #: ``_iterator.py``) and that have not yet confirmed the cut with a checkpoint.
+    #: ``_main/iterator.py``) and that have not yet confirmed the cut with a checkpoint.
     cutting: list[int] = field(default_factory=list, compare=False)
 
     @classmethod
@@ -84,7 +84,7 @@ class Book:
     def starts(self, *, new_epoch: bool, idle: bool = False) -> tuple[WorkerStart, ...]:
         """How every worker starts from here (NOTE [ Worker order ]); ``idle`` workers
         produce nothing in the epoch (NOTE [ A cut before a sampler's next order ] in
-        ``_stream_stops.py``)."""
+        ``_main/stops.py``)."""
         return tuple(
             WorkerStart(
                 checkpoint=self.resume[w],
@@ -140,7 +140,7 @@ class Book:
     def cut_epoch(self) -> None:
         """Starts the next epoch before every worker ended this one: the unended workers
         will drop the rest of it, each counting the cut as one event once it confirms
-        (:meth:`settle_cut`; NOTE [ A new iter() starts an epoch ] in ``_iterator.py``)."""
+        (:meth:`settle_cut`; NOTE [ A new iter() starts an epoch ] in ``_main/iterator.py``)."""
         self.cutting = self.unended()
         self.start_epoch()
 

@@ -1,7 +1,7 @@
 """A thread that checks on the workers while the main thread is stuck in torch's iterator.
 
 NOTE [ A fetch stuck on a worker ]
-The watchdog (NOTE [ Watchdog ] in ``_stream.py``) runs between the main thread's tries at
+The watchdog (NOTE [ Watchdog ] in ``_main/stream.py``) runs between the main thread's tries at
 torch's iterator, each try bounded by the poll interval. One wait inside a try has no
 bound: a batch of tensors travels as handles to the worker's shared memory, and with
 torch's default sharing strategy (``file_descriptor``) the main process, unpickling the
@@ -43,7 +43,7 @@ class FetchGuard:
     Args:
         check: A method checking the workers; returns True once it found what it looks
             for, which ends the guard. Held weakly, so that the guard does not keep its
-            stream alive (NOTE [ Workers stop with the loader ] in ``_stream.py``); the
+            stream alive (NOTE [ Workers stop with the loader ] in ``_main/stream.py``); the
             guard ends when the stream is gone.
         poll: The stream's poll interval in seconds.
         lock: The lock the main thread holds while it talks to the workers.

@@ -25,7 +25,7 @@ it stood and ``iter()`` raises. All iterators read the one stream: an older iter
 goes on with the new epoch, as iterators of torch's persistent workers share them.
 
 NOTE [ Errors stop the stream ]
-When the pipeline raises (an ERROR event, NOTE [ Pipeline errors ] in ``_events.py``) or
+When the pipeline raises (an ERROR event, NOTE [ Pipeline errors ] in ``_channel/events.py``) or
 anything else escapes torch's iterator, the loader stops the stream (workers, queues,
 command pipes) before the error reaches the user, and keeps its bookkeeping, which stands
 exactly after the last item handed on. It first asks the workers for checkpoints at that
@@ -40,7 +40,7 @@ from the original exception (the object itself without workers; with workers a c
 its type, and the worker's traceback in the message, as torch does); the library's own
 errors (StateError, StorageError, ...) keep their type. An error of a map-style read
 stops nothing: it is handed on in its turn and the stream goes on
-(NOTE [ Going on after an error ] in ``_runtime.py``).
+(NOTE [ Going on after an error ] in ``_worker/runtime.py``).
 NOTE [ Workers that never started ]
 A worker can hang before any of the loader's code runs in it, in torch's start-up of the
 process: a CPython without the fix of python/cpython#112275 (3.11.7 here) can deadlock
@@ -49,7 +49,7 @@ finished collective's tensors) holds the interpreter's thread-state lock, and gl
 leave a C++ static's ``atexit`` lock held the same way (pytorch/pytorch#130610); torch's
 own ``DataLoader`` then waits forever. The watchdog finds such a worker after
 ``command_timeout`` (its stacks pipe never got a marker: NOTE [ Stacks of a hung worker ]
-in ``_commands.py``). It handed nothing on, so its position is the checkpoint it started
+in ``_channel/commands.py``). It handed nothing on, so its position is the checkpoint it started
 from, and the loader's position is kept whatever the other workers delivered. The
 loader then stops the stream and starts it again from there, which replays exactly,
 logging a warning; at most twice in a row, after which the ``WorkerError`` is raised as
@@ -60,10 +60,10 @@ With ``persistent_workers=False`` (torch's default) the workers of an epoch stop
 ends and new ones start with the next, as with torch: each new worker starts from the
 checkpoint its predecessor took at the end of the epoch (``Checkpoint`` at the END
 event), exactly as after a restore between epochs, so the stream does not change. A
-loader reading a sampler (NOTE [ Samplers are sources ] in ``datasets/sampled.py``)
+loader reading a sampler (NOTE [ Samplers are sources ] in ``datasets/index/sampled.py``)
 starts its workers for every epoch whatever ``persistent_workers`` says, since each
 epoch's order travels with the pipeline to the workers; its workers' generators follow
-``persistent_workers`` all the same (NOTE [ Torch's worker seeds ] in ``_runtime.py``).
+``persistent_workers`` all the same (NOTE [ Torch's worker seeds ] in ``_worker/runtime.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """How the loader's arguments become its pipeline: the source, its batching, and what the
-main process draws at every epoch (NOTE [ Epoch orders ] in ``_sampling.py``)."""
+main process draws at every epoch (NOTE [ Epoch orders ] in ``_main/sampling.py``)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ __all__ = ["Pipeline", "base_seed_generator", "build_pipeline"]
 
 def base_seed_generator(seed: int, rank: int) -> torch.Generator:
     """The generator torch draws its workers' base seed from when the loader has no
-    ``generator=`` (NOTE [ Seeds ] in ``rng/generators.py``)."""
+    ``generator=`` (NOTE [ Seeds ] in ``rng/keys.py``)."""
     return torch.Generator().manual_seed(seed_for(Purpose.BASE_SEED, seed, rank))
 
 
@@ -132,7 +132,7 @@ class Pipeline:
     @property
     def drawn_each_epoch(self) -> bool:
         """The main process draws something the workers read every epoch (a sampler's
-        order, or a DataPipe's seed: NOTE [ DataPipes ] in ``datasets/datapipes.py``), so
+        order, or a DataPipe's seed: NOTE [ DataPipes ] in ``datasets/adapters/datapipes.py``), so
         the workers start anew every epoch."""
         return self.sampled or is_datapipe(self.dataset)
 
@@ -165,13 +165,14 @@ def build_pipeline(
     seed: int,
     draws_every_epoch: bool,
 ) -> Pipeline:
-    """Builds the loader's pipeline (NOTE [ Samplers are sources ] in ``datasets/sampled.py``).
+    """Builds the loader's pipeline (NOTE [ Samplers are sources ] in
+    ``datasets/index/sampled.py``).
 
     Raises:
         ConfigError: Torch refuses the combination of arguments (torch's own message; a
             ``ValueError`` as torch's is), ``batch_size`` is a bool (also beside a
             ``batch_sampler``, which torch would let pass: NOTE [ Arguments the state
-            must carry ] in ``_checks.py``), or ``dataset`` cannot be read savably.
+            must carry ] in ``_main/arguments.py``), or ``dataset`` cannot be read savably.
     """
     if isinstance(batch_size, bool):
         # Torch's own message, which it gives for a bool without a batch_sampler.

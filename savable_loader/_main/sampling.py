@@ -10,7 +10,7 @@ where only the first one is built. The :class:`EpochPlanner` makes the same draw
 the start of each epoch, in the same order, and reads the whole sampler at once: the
 generators end the epoch where torch leaves them, and the epoch's index groups become
 the order of the pipeline's source (NOTE [ Samplers are sources ] in
-``datasets/sampled.py``), read into int64 arrays without a Python list of the epoch.
+``datasets/index/sampled.py``), read into int64 arrays without a Python list of the epoch.
 
 A sampler without a generator of its own draws from the process's global generators.
 The first draw of a loader is made on them, as torch makes it; every later draw continues

@@ -26,7 +26,7 @@ keeps two sets of values for the attributes torch's iterators read:
   the workers' base seed from (derived from ``seed`` and the rank, or a copy of the
   user's generator as it stood before the epoch's draws), and ``persistent_workers``
   True with workers (the loader stops them itself at every epoch's end when the user
-  passed False: NOTE [ Workers per epoch ] in ``_iterator.py``).
+  passed False: NOTE [ Workers per epoch ] in ``_main/iterator.py``).
 
 ``Stream._torch_iterator`` puts the second set in place while ``DataLoader.__iter__``
 builds or resets torch's iterator, which keeps what it read, and the first back right
@@ -46,7 +46,7 @@ starts workers (or, without workers, at every ``iter()``). The loader batches in
 pipeline (``Batch``), so setting it changes the pipeline's ``Batch`` and the fingerprint
 (``Pipeline.use_collate``). If the stream is running, the loader first stops it keeping
 its position, as after a pipeline error (NOTE [ Errors stop the stream ] in
-``_iterator.py``): the next batch handed on is the first collated by the new function,
+``_main/iterator.py``): the next batch handed on is the first collated by the new function,
 prefetched ones included, and a state saved from then on carries the new function's
 name, so a script that sets it the same way before restoring resumes exactly. Torch
 differs in two ways, both unsavable: its running workers keep the old function until

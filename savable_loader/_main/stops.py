@@ -1,15 +1,15 @@
 """How the loader stops its stream and keeps its position: after an error (NOTE
-[ Errors stop the stream ] in ``_iterator.py``) and when a new ``iter()`` cuts the
+[ Errors stop the stream ] in ``_main/iterator.py``) and when a new ``iter()`` cuts the
 current epoch short (NOTE [ A new iter() starts an epoch ] there).
 
 :class:`StreamStops` is a part of :class:`~savable_loader.SavableDataLoader`, kept apart
-because it is one job: stopping the workers while the bookkeeping (``_book.py``) and the
+because it is one job: stopping the workers while the bookkeeping (``_main/book.py``) and the
 checkpoints the workers hand back stay in agreement, so that the next stream starts
 exactly where the last item handed on left the loader. It runs in the main process.
 
 NOTE [ A cut before a sampler's next order ]
 A loader reading a sampler sends each epoch's order to its workers with the pipeline
-(NOTE [ Epoch orders ] in ``_sampling.py``), and a cut worker must replay the rest of the
+(NOTE [ Epoch orders ] in ``_main/sampling.py``), and a cut worker must replay the rest of the
 old epoch's position under the old order before it drops it. So when the new epoch has
 an order still to draw, the cut runs on *idle* workers first: they restore, replay, cut
 and checkpoint, then produce nothing (as a worker whose epoch already ended); the loader
@@ -52,7 +52,7 @@ class StreamStops:
     def _cut_epoch(self) -> None:
         """Drops the rest of the current epoch and starts the next one on fresh workers,
         which confirm where they stand before anything is handed on (NOTE [ A new iter()
-        starts an epoch ] in ``_iterator.py``).
+        starts an epoch ] in ``_main/iterator.py``).
 
         Raises:
             WorkerError: A worker died or hung; the loader stays where it stood.

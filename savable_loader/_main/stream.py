@@ -17,14 +17,14 @@ for the same item (pinned in ``tests/test_torch_compat.py``). A worker still sta
 for longer than ``item_timeout`` (60 s by default; None: no limit, as torch), or not
 answering within ``command_timeout`` (a frozen process) is hung: :class:`Hang` names it,
 and the loader keeps its position when the workers can still tell it (NOTE [ Errors stop
-the stream ] in ``loader.py``), kills the hung workers (they would not see torch's
+the stream ] in ``_main/iterator.py``), kills the hung workers (they would not see torch's
 shutdown request), stops the stream and raises :class:`~savable_loader.WorkerError`. The
 user's own ``timeout`` keeps torch's meaning: no item within that many seconds raises (a
 WorkerError, which is a RuntimeError). Items that arrive cost nothing more: the progress
 check runs only after a wait of one poll interval. One wait inside a try has no bound of
 its own, the main thread taking a batch's shared memory from a hung worker; a thread of
 the stream runs the same check then (NOTE [ A fetch stuck on a worker ] in
-``_fetch_guard.py``).
+``_main/fetch_guard.py``).
 
 NOTE [ Workers given up on ]
 A worker that does not answer a command within ``command_timeout`` (a save, the
@@ -34,7 +34,7 @@ SIGTERM torch sends after its join timeout. So the stream notes every worker it 
 on, and :meth:`Stream.stop` kills those (SIGKILL ends even a stopped process) before it
 stops the rest: ``close()``, a restore and an error stop the stream promptly and leave no
 process behind. A save that a worker did not answer stops the stream at once, as a hang
-found by the watchdog does (NOTE [ Errors stop the stream ] in ``_iterator.py``).
+found by the watchdog does (NOTE [ Errors stop the stream ] in ``_main/iterator.py``).
 
 NOTE [ Workers stop with the loader ]
 Torch's workers stop when the last reference to their loader (and its iterator) goes:
@@ -109,7 +109,7 @@ class Hang(WorkerError):
         self.workers = workers
         self.answering = answering
         #: The hung workers the loader's code never ran in: they handed nothing on
-        #: (NOTE [ Workers that never started ] in ``_iterator.py``).
+        #: (NOTE [ Workers that never started ] in ``_main/iterator.py``).
         self.unstarted = list(unstarted)
         #: The hung workers' stacks, a paragraph each (NOTE [ Stacks of a hung worker ]).
         self.stacks = stacks
@@ -117,7 +117,7 @@ class Hang(WorkerError):
     def restarts(self, lost: str | None, retries: int) -> bool:
         """Whether the loader starts its workers again after this hang, which it then
         logs: every hung worker never started, the position was kept and ``retries``
-        are left (NOTE [ Workers that never started ] in ``_iterator.py``)."""
+        are left (NOTE [ Workers that never started ] in ``_main/iterator.py``)."""
         if lost is not None or not retries or not set(self.workers) <= set(self.unstarted):
             return False
         logger.warning("%s; the loader starts its workers again", self.reason)
@@ -185,7 +185,7 @@ class Stream:
         """Torch's iterator, waiting at most a poll interval per try (NOTE [ Watchdog ]),
         handing on the wrapper's events as they are and starting workers with the loader's
         ``WorkerInit`` (NOTE [ What the loader shows of its arguments ] in
-        ``_shown.py``)."""
+        ``_main/shown.py``)."""
         shown = self.loader.__dict__
         for_torch = {
             **shown["_for_torch"],
@@ -266,7 +266,7 @@ class Stream:
             self._watch()
 
     def _check_stuck_fetch(self) -> bool:
-        """The guard's check (NOTE [ A fetch stuck on a worker ] in ``_fetch_guard.py``):
+        """The guard's check (NOTE [ A fetch stuck on a worker ] in ``_main/fetch_guard.py``):
         a worker that does not answer is hung; the stream keeps the hang, then kills the
         worker so that the main thread's wait ends. Returns whether it found one."""
         try:
@@ -334,7 +334,7 @@ class Stream:
     # -- commands ---------------------------------------------------------------------
 
     def _request(self, name: str, arguments: Sequence[dict[str, Any] | None]) -> list[Any]:
-        """Sends a command to every worker (NOTE [ Command channel ] in ``_commands.py``).
+        """Sends a command to every worker (NOTE [ Command channel ] in ``_channel/commands.py``).
 
         Raises:
             Hang: A worker did not answer in time (NOTE [ Workers given up on ]).
@@ -369,7 +369,7 @@ class Stream:
 
     def stacks(self, workers: Sequence[int]) -> str:
         """The ``workers``' threads' stacks, a paragraph each after a blank line (NOTE
-        [ Stacks of a hung worker ] in ``_commands.py``)."""
+        [ Stacks of a hung worker ] in ``_channel/commands.py``)."""
         channel = self.channel
         if channel is None:
             return ""

@@ -5,7 +5,7 @@ Shared by ``SavableDataLoader.restore_state_rank`` and the collectives of
 :class:`~savable_loader._resume.elastic.Layout` before any worker starts (STYLE point 7), and
 both take a rank's own state from the list of one save, resharded when the save comes
 from another number of ranks or workers (NOTE [ Elastic resume ] in
-``datasets/elastic.py``).
+``datasets/protocol/elastic.py``).
 
 NOTE [ state_dict for checkpoints ]
 ``torch.distributed.checkpoint`` loads in place: it asks a fresh loader for its
@@ -23,7 +23,7 @@ it wrote, and a plain ``RankState`` dict.
 
 NOTE [ Checking a replay ]
 A restored worker restores its checkpoint and then skips ``delivered - checkpoint.seq``
-batches (``catch_up`` in ``_runtime.py``) in the worker, after ``restore_state_rank``
+batches (``catch_up`` in ``_worker/runtime.py``) in the worker, after ``restore_state_rank``
 returned. A state whose ``delivered`` lies past the end of the epoch would only fail
 there, at the first ``next()``. So the restore asks the pipeline first how many batches
 it has left from the checkpoint (``Stage.items_left``): sources that know their shard
@@ -133,7 +133,7 @@ def states_for_layout(
 ) -> list[RankState]:
     """Every rank's state of ``layout`` from one save (as ``one_save()`` checked it), the
     saved streams brought to their positions once for all of them (NOTE [ One reshard per
-    restore ] in ``_elastic.py``)."""
+    restore ] in ``_resume/elastic.py``)."""
     if saved_on_layout(states, layout):
         return list(states)
     return reshard_ranks(states, layout, range(layout.world_size), approximate=approximate)
@@ -217,7 +217,7 @@ def _context(layout: Layout, worker_id: int) -> WorkerContext:
 def check_pipeline_states(state: RankState, layout: Layout) -> None:
     """Refuses a worker checkpoint whose pipeline state the pipeline's stages would refuse
     or misread, ended workers' included (NOTE [ States checked at the door ] in
-    ``datasets/stage.py``).
+    ``datasets/protocol/stage.py``).
 
     Raises:
         StateError: A checkpoint's state is malformed; names its path and saved value.

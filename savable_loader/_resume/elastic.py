@@ -4,11 +4,11 @@
 the new layout. It brings each saved stream to the consumer's exact position first: a
 worker's checkpoint may stand a few events before what the loader handed on, and the
 events in between are replayed here, in the main process, by the same runtime the
-workers run (NOTE [ The runtime ] in ``_runtime.py``), under the checkpoint's own
+workers run (NOTE [ The runtime ] in ``_worker/runtime.py``), under the checkpoint's own
 generators. The pipeline's root stage then answers one
 :class:`~savable_loader.datasets.protocol.elastic.ReshardPlan` per new worker. The new workers
 start the resumed epoch from those states with nothing to replay and their global
-generators seeded for that epoch (NOTE [ Generators per epoch ] in ``_runtime.py``).
+generators seeded for that epoch (NOTE [ Generators per epoch ] in ``_worker/runtime.py``).
 
 NOTE [ A rank at its last batch ]
 A rank saved right after it handed on its last batch of epoch ``e`` has not asked for the

@@ -151,7 +151,7 @@ class Layout:
     def saved_with_file_split(self, saved: str, num_workers: int) -> bool:
         """Whether ``saved`` is this pipeline's fingerprint with its file sources built
         with ``split="files"`` (NOTE [ Shard listing and assignment ] in
-        ``datasets/sharded.py``): a state saved before ``split="samples"`` existed."""
+        ``datasets/files/sharded.py``): a state saved before ``split="samples"`` existed."""
         tree = _without_sample_split(self._tree(num_workers))
         return saved in (fingerprint(tree), fingerprint(tree, raw_names=True))
 

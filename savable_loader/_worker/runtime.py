@@ -5,9 +5,9 @@ NOTE [ The runtime ]
 A :class:`PipelineRuntime` builds the cursor tree of the loader's pipeline (batching
 included) for one worker, restores it from a checkpoint (the tree's state and the
 worker's global generators), replays the events the consumer had already received with
-the tree's ``skip`` (NOTE [ The cursor contract ] in ``datasets/cursor.py``), and then
-produces events (NOTE [ Events ] in ``_events.py``), taking checkpoints as NOTE
-[ Checkpoint policy ] in ``_ring.py`` says. The event numbering is NOTE [ Sequence
+the tree's ``skip`` (NOTE [ The cursor contract ] in ``datasets/protocol/cursor.py``), and then
+produces events (NOTE [ Events ] in ``_channel/events.py``), taking checkpoints as NOTE
+[ Checkpoint policy ] in ``_worker/ring.py`` says. The event numbering is NOTE [ Sequence
 numbers ] in ``state/models.py``. Without workers (NOTE [ No workers ])
 and in an elastic restore it runs under generators of its own (NOTE [ Own generators ] in
 ``rng/generators.py``), so the process's draws and the pipeline's never mix.
@@ -32,7 +32,7 @@ under the loader's batching) does the same: its cursor moves past a batch's indi
 before reading them (``Cursor.goes_on_after_error``), so when the read raises, the
 worker takes a checkpoint at once and sends an ERROR event that is counted like an item
 (``Failure.goes_on``); the loader hands it on as the exception, of the original type and
-also a ``DatasetError`` (``_events.py``), and keeps reading. A save after it restores
+also a ``DatasetError`` (``_channel/events.py``), and keeps reading. A save after it restores
 after it, and because the worker checkpointed right after the failed batch, no replay
 ever reads that batch again: a restore up to it starts from a checkpoint before it and
 stops short of it, one past it starts from that checkpoint or a later one. A plain
@@ -41,8 +41,8 @@ stops short of it, one past it starts from that checkpoint or a later one. A pla
 generator that raised is finished, so that worker's epoch ends; an ``__iter__`` that
 raised ends it as well, where torch's worker would fail on every later batch. A savable
 pipeline of any other kind keeps the rule of NOTE [ Pipeline errors ] in
-``_events.py``: its position stays before the item, which the same iterator's next() retries (the
-position it would go on from is the dataset's own, which the loader cannot vouch for).
+``_channel/events.py``: its position stays before the item, which the same iterator's next() retries
+(the position it would go on from is the dataset's own, which the loader cannot vouch for).
 
 NOTE [ Fresh workers ]
 A worker that starts from no checkpoint (the start of a run) restores nothing: its new
@@ -75,7 +75,7 @@ worker restored between epochs seeds its generators again as the epoch begins, w
 changes nothing for its own states and gives states saved before this rule existed the
 same next epoch as a run today. An epoch's draws therefore depend only on the layout and
 the epoch, not on what earlier epochs drew, so after a restore onto another layout (NOTE
-[ Elastic resume ] in ``datasets/elastic.py``) the next epochs draw exactly what a fresh
+[ Elastic resume ] in ``datasets/protocol/elastic.py``) the next epochs draw exactly what a fresh
 run on that layout draws. Epoch 0 keeps the seed it always had. Because the seeding is a
 function of the layout and the epoch, a checkpoint taken before anything drew from the
 generators records only the epoch they were seeded for, and a restore seeds them again
@@ -89,7 +89,7 @@ worker ``w`` from it before ``worker_init_fn`` runs; the runtime keeps what it f
 start-up (torch's seeding and whatever ``worker_init_fn`` did) instead of seeding per
 epoch. Persistent workers are seeded once and their generators run on across epochs;
 otherwise the workers of every epoch are new and seeded anew (NOTE [ Epoch orders ] in
-``_sampling.py``). A restore puts back the checkpoint's generators as always. Those
+``_main/sampling.py``). A restore puts back the checkpoint's generators as always. Those
 seeds come from torch's base seed and the user's ``worker_init_fn``, which a restoring
 process cannot recompute, so these checkpoints always hold the generators' bytes.
 """
@@ -223,7 +223,7 @@ class PipelineRuntime:
         """Replays to the start's position, drops the rest of that epoch and stands at the
         next one's start, the cut counted as one event, then checkpoints there: the loader
         asks for that checkpoint before it hands anything on (NOTE [ A new iter() starts
-        an epoch ] in ``_iterator.py``)."""
+        an epoch ] in ``_main/iterator.py``)."""
         self.catch_up()
         with self._scope():
             self.root.end_epoch()

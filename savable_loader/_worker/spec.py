@@ -1,6 +1,6 @@
 """What a worker is told before it runs the pipeline: the loader's description of it
 (:class:`RuntimeSpec`), where each worker starts (:class:`WorkerStart`), and the seeds of
-its global generators per epoch (NOTE [ Generators per epoch ] in ``_runtime.py``)."""
+its global generators per epoch (NOTE [ Generators per epoch ] in ``_worker/runtime.py``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class WorkerStart:
             between epochs): seed its generators for it (NOTE [ Generators per epoch ]).
         cut: The loader began a new epoch before this worker ended the current one: it
             replays to ``delivered``, drops the rest of that epoch and counts the cut as
-            one event (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``).
+            one event (NOTE [ A new iter() starts an epoch ] in ``_main/iterator.py``).
     """
 
     checkpoint: Checkpoint | None = None
@@ -51,7 +51,7 @@ class RuntimeSpec:
         world_size: Number of ranks.
         num_workers: Worker processes (0: the pipeline runs in the main process).
         batch_size: Items per batch (sources shard in blocks of it).
-        checkpoint_share: NOTE [ Checkpoint policy ] in ``_ring.py``.
+        checkpoint_share: NOTE [ Checkpoint policy ] in ``_worker/ring.py``.
         max_lag: How many events the consumer can be behind a worker.
         starts: How each worker starts; empty: every worker from the beginning.
         epoch: The loader epoch the workers start in (NOTE [ Generators per epoch ]).
@@ -62,7 +62,7 @@ class RuntimeSpec:
             start in (it drew a new base seed), rather than their generators continuing.
         dataset: What the user passed as ``dataset=``, an object of the pipeline above;
             pickled with it, so in a worker it is the very object that worker's pipeline
-            reads (NOTE [ The worker's dataset ] in ``_torch_compat.py``).
+            reads (NOTE [ The worker's dataset ] in ``_channel/torch_compat.py``).
         seed_each_item: NOTE [ Items seeded one by one ] in ``rng/keys.py``.
     """
 

@@ -4,11 +4,11 @@ Torch runs underneath with ``batch_size=None`` over :class:`WorkerWrapper`. In e
 worker process (or in the main process without workers) the wrapper starts one
 :class:`~savable_loader._worker.runtime.PipelineRuntime` on first use and, with workers, the
 command thread that answers the loader's saves (NOTE [ Command channel ] in
-``_commands.py``); every ``iter()`` torch makes of it is one epoch of that runtime's
-events (NOTE [ Events ] in ``_events.py``). Torch calls :class:`WorkerInit` as the
+``_channel/commands.py``); every ``iter()`` torch makes of it is one epoch of that runtime's
+events (NOTE [ Events ] in ``_channel/events.py``). Torch calls :class:`WorkerInit` as the
 worker's ``worker_init_fn``: it shows the user's dataset to ``get_worker_info()`` (NOTE
-[ The worker's dataset ] in ``_torch_compat.py``) and runs the user's ``worker_init_fn``
-(NOTE [ worker_init_fn errors ] in ``_events.py``).
+[ The worker's dataset ] in ``_channel/torch_compat.py``) and runs the user's ``worker_init_fn``
+(NOTE [ worker_init_fn errors ] in ``_channel/events.py``).
 
 NOTE [ Inherited objects are frozen ]
 A forked worker inherits every object of the main process: a training script's model,
@@ -57,7 +57,7 @@ class WorkerWrapper(IterableDataset[Event]):
     carries it (and the command pipes) into the worker.
 
     It is what torch's iterators read as ``loader.dataset`` while they are built (NOTE
-    [ What the loader shows of its arguments ] in ``_shown.py``), and it answers for the
+    [ What the loader shows of its arguments ] in ``_main/shown.py``), and it answers for the
     user's dataset there: ``len()`` is the user's dataset's (a ``TypeError`` for a dataset
     without one, as with torch), and an attribute the wrapper does not have is read from
     the user's dataset.
@@ -120,7 +120,7 @@ class WorkerWrapper(IterableDataset[Event]):
 
     def _serve_failed_init(self) -> None:
         """Answers commands in a worker whose ``worker_init_fn`` raised (NOTE
-        [ worker_init_fn errors ] in ``_events.py``): it stands at its start."""
+        [ worker_init_fn errors ] in ``_channel/events.py``): it stands at its start."""
         info = get_worker_info()
         channel = self.spec.channel
         self._serving = True
@@ -189,9 +189,9 @@ class WorkerInit:
     """What torch calls as ``worker_init_fn`` in every worker of a loader.
 
     It makes ``get_worker_info().dataset`` the user's dataset (NOTE [ The worker's
-    dataset ] in ``_torch_compat.py``), then runs the user's ``worker_init_fn`` and keeps
+    dataset ] in ``_channel/torch_compat.py``), then runs the user's ``worker_init_fn`` and keeps
     what it raises for the wrapper to report (NOTE [ worker_init_fn errors ] in
-    ``_events.py``).
+    ``_channel/events.py``).
 
     Args:
         user_fn: The user's ``worker_init_fn``, or None.

@@ -1,5 +1,5 @@
 """``savable-loader counts {tar,jsonl} URL... --out URL``: writes a counts file (NOTE
-[ Counts files ] in ``savable_loader/datasets/counts_file.py``) from the shell."""
+[ Counts files ] in ``savable_loader/datasets/files/counts_file.py``) from the shell."""
 
 from __future__ import annotations
 

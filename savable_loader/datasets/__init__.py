@@ -7,7 +7,7 @@ chain with fluent methods::
 
 A stage of your own derives from :class:`Stage` (a source) or :class:`Transform`, with a
 :class:`Cursor` (or :class:`TransformCursor`) that holds the position (NOTE [ The cursor
-contract ] in ``cursor.py``).
+contract ] in ``datasets/protocol/cursor.py``).
 """
 
 from ..storage.retry import RetryPolicy

@@ -18,21 +18,21 @@ first.
 NOTE [ Datasets without a position ]
 A plain ``IterableDataset`` (no ``save_state``/``restore_state``, no ``state_dict``/
 ``load_state_dict``, nor an iterator with them: NOTE [ A position kept by the iterator ]
-in ``stateful.py``) is read as torch's ``DataLoader`` reads it: ``iter(dataset)`` every
-epoch, in each worker over that worker's copy (so sharding with ``get_worker_info()``
+in ``datasets/adapters/stateful.py``) is read as torch's ``DataLoader`` reads it: ``iter(dataset)``
+every epoch, in each worker over that worker's copy (so sharding with ``get_worker_info()``
 works), batched in the worker. Its cursor's own state is None, so the workers'
 checkpoints keep working, but no position can be restored from it: the loader refuses
 to save (``Stage.not_savable``, raised by the loader as ``UnsavableDatasetError`` naming
 the dataset and what to add), and after an error it goes on as torch's does
-(NOTE [ Going on after an error ] in ``_runtime.py``). Switching a ``DataLoader`` to
+(NOTE [ Going on after an error ] in ``_worker/runtime.py``). Switching a ``DataLoader`` to
 ``SavableDataLoader`` therefore works before the dataset is made savable.
 
 NOTE [ A dataset's skip ]
 A ``SavableDataset`` may define ``skip(n)`` to pass ``n`` items faster than reading them
 (exactly as reading would, draws from the global generators included). The cursor
 contract needs to know how many it passed (NOTE [ The cursor contract ] in
-``cursor.py``), so ``skip`` returns that number: ``n``, or fewer when the epoch ended,
-in which case the dataset stands at the start of its next epoch, as after an iteration
+``datasets/protocol/cursor.py``), so ``skip`` returns that number: ``n``, or fewer when the epoch
+ended, in which case the dataset stands at the start of its next epoch, as after an iteration
 ends. A ``skip`` that returns None cannot say where an epoch ended; the cursor asks
 ``skip(0)`` once to learn which kind it has, and reads instead of calling a ``skip`` that
 returns None, which is always exact.
@@ -192,7 +192,7 @@ class _DatasetCursor(Cursor[T]):
     def end_epoch(self) -> None:
         """Drops the rest of the epoch without reading it: the next one begins with a new
         ``iter(dataset)`` from where the dataset stands, as torch's ``DataLoader`` begins
-        a new iteration (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``)."""
+        a new iteration (NOTE [ A new iter() starts an epoch ] in ``_main/iterator.py``)."""
         self._items = None
 
     def _begin(self) -> Iterator[T]:
@@ -261,7 +261,7 @@ class _UnsavableCursor(_DatasetCursor[T]):
     def goes_on_after_error(self) -> bool:
         """As torch's worker goes on with its iterator after an error: a generator that
         raised is finished, so this worker's epoch ends; nothing here has a position to
-        keep (NOTE [ Going on after an error ] in ``_runtime.py``)."""
+        keep (NOTE [ Going on after an error ] in ``_worker/runtime.py``)."""
         return True
 
     def _begin(self) -> Iterator[T]:

@@ -8,8 +8,8 @@ every stage of a pipeline can produce the item at any position of an epoch (its
 a known number of passes, a limit, a blend that ends), the loader reads the pipeline as
 one indexed source over those positions (:class:`GlobalView`): position ``p`` of epoch
 ``e`` is ``get(e, p)``, and the positions are shared out over ranks and workers exactly
-as an ``IndexedDataset``'s (NOTE [ Indexed order and sharding ] in ``indexed.py``). The
-global batch of step ``j`` then holds positions ``[j G, (j + 1) G)`` of the epoch
+as an ``IndexedDataset``'s (NOTE [ Indexed order and sharding ] in ``datasets/index/indexed.py``).
+The global batch of step ``j`` then holds positions ``[j G, (j + 1) G)`` of the epoch
 whatever the layout, a state is the view's two integers, and a restore onto another
 layout (another number of ranks, workers or another per-rank batch size) continues the
 same positions (NOTE [ Elastic indexed order ]).
@@ -17,7 +17,7 @@ same positions (NOTE [ Elastic indexed order ]).
 The view is taken only where a stage's stream reading depends on the layout
 (``Stage.reads_by_layout``: a ``Shuffle``, a ``Repeat`` of counted passes, a ``Limit``,
 a ``Blend``, a file source with ``split="global"``, NOTE [ File sources by position ] in
-``file_positions.py``); a pipeline without one reads as before,
+``datasets/files/positions.py``); a pipeline without one reads as before,
 its global batches already the same on every layout. A state saved by a version that
 read such a pipeline stream by stream (its state nests the stages' parts) is continued
 by that reading, for the rest of the run (``FRESH`` off reads fresh runs that way too,
@@ -27,8 +27,8 @@ NOTE [ Endless streams by position ]
 An endless ``Repeat`` or a ``Blend`` with ``stop="never"`` over stages read by position
 has an access too, of one epoch, 0, that never ends (its ``length()`` is None): an
 endless repeat's passes follow one another, an endless blend is laid out block by block
-(NOTE [ Endless blends by position ] in ``blend_positions.py``), a map or window shuffle
-over them is endless too. Under a ``Limit`` the limit's epoch ``e`` is the endless
+(NOTE [ Endless blends by position ] in ``datasets/transforms/blend_positions.py``), a map or window
+shuffle over them is endless too. Under a ``Limit`` the limit's epoch ``e`` is the endless
 stream's positions ``[e n, (e + 1) n)``. Without one, the view's one epoch is
 :data:`ENDLESS` positions long, which no run reaches, so its global batches are the
 stream's positions ``[j G, (j + 1) G)`` on every layout, and ``len(loader)`` raises
@@ -36,8 +36,8 @@ stream's positions ``[j G, (j + 1) G)`` on every layout, and ``len(loader)`` rai
 
 NOTE [ Blend weights by position ]
 A blend read by position lays each epoch out from its weights (NOTE [ Blend by
-position ] in ``blend_positions.py``), and the weights are not in the fingerprint, so
-the view's state records them: ``"weights"``, one list per blend, outermost first. A
+position ] in ``datasets/transforms/blend_positions.py``), and the weights are not in the
+fingerprint, so the view's state records them: ``"weights"``, one list per blend, outermost first. A
 restore with other weights is refused unless that blend has ``allow_weight_change``;
 then the new weights take effect only for a stream that has consumed nothing of its
 epoch (a state saved between epochs), since positions already read were laid out with
@@ -150,7 +150,7 @@ class GlobalView(IndexedDataset[T]):
         #: The pipeline's blends, outermost first (NOTE [ Blend weights by position ]).
         self.blends = _blends(pipeline)
         #: Whether a state records the global batch size its epoch is laid out for
-        #: (NOTE [ File sources by position ] in ``file_positions.py``).
+        #: (NOTE [ File sources by position ] in ``datasets/files/positions.py``).
         self.lanes_kept = pipeline.needs_positions() is not None
 
     def weights(self) -> list[list[float]]:
@@ -226,7 +226,7 @@ class GlobalView(IndexedDataset[T]):
 
     @property
     def children(self) -> tuple[Stage[Any], ...]:
-        """The pipeline: what holds files and caches (``file_access.py`` walks them)."""
+        """The pipeline: what holds files and caches (``datasets/files/access.py`` walks them)."""
         return (self.pipeline,)
 
     def not_elastic(self) -> None:
@@ -347,7 +347,8 @@ class _ByPosition(IndexedCursor[T]):
         assert access is not None  # GlobalView checked it
         self.access: Access[T] = access
         #: ``(epoch, lanes, access)`` of an epoch laid out for another global batch size
-        #: than this layout's (NOTE [ File sources by position ] in ``file_positions.py``).
+        #: than this layout's (NOTE [ File sources by position ] in
+        #: ``datasets/files/positions.py``).
         self.resumed: tuple[int, int, Access[T]] | None = None
 
     def lay_out(self, lanes: int | None) -> None:

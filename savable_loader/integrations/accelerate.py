@@ -13,7 +13,7 @@ builds a new loader over ``loader.dataset`` (``DataLoaderShard``, or
 ``DataLoaderDispatcher``, the default for an ``IterableDataset``, which reads every batch
 on rank 0 and scatters slices), with its own sampler, ``even_batches`` and RNG
 synchronization. A ``SavableDataLoader`` shows its ``dataset`` and arguments as torch's
-``DataLoader`` does (NOTE [ What the loader shows of its arguments ] in ``_shown.py``),
+``DataLoader`` does (NOTE [ What the loader shows of its arguments ] in ``_main/shown.py``),
 so a plain one comes out of ``prepare()`` as Accelerate's own loader over the dataset:
 it reads the data as torch's would, but nothing saves its position exactly any more. Its
 resume helper, ``skip_first_batches``, re-creates the loader too and reads the skipped

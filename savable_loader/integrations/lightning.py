@@ -19,7 +19,7 @@ not skip batches itself. Four things need care; the first three are handled here
 2. A loader with a length is read ``len(loader)`` times per epoch: Lightning never asks
    for the item after the last, so the loader never sees the epoch end. The next
    ``iter()`` starts the next epoch all the same (NOTE [ A new iter() starts an epoch ]
-   in ``_iterator.py``), except the first one after a restore, which continues the
+   in ``_main/iterator.py``), except the first one after a restore, which continues the
    restored epoch: restored from a checkpoint taken after an epoch's last batch, it has
    nothing left. Here the first ``next()`` of an iterator that finds its epoch already
    exhausted moves on to the next epoch, as a new iterator of torch's ``DataLoader``
@@ -33,7 +33,7 @@ not skip batches itself. Four things need care; the first three are handled here
    ``on_train_start``, before the first batch.
 4. Lightning calls ``set_epoch`` on ``loader.sampler`` when it has one: the loader shows
    the sampler you gave (or torch's), so it reaches a ``DistributedSampler`` itself
-   (NOTE [ What the loader shows of its arguments ] in ``_shown.py``).
+   (NOTE [ What the loader shows of its arguments ] in ``_main/shown.py``).
 
 With ``use_distributed_sampler=True`` and a map-style dataset under DDP, Lightning
 re-creates the loader from its saved arguments with a ``DistributedSampler``, as for

@@ -13,7 +13,7 @@ NOTE [ Untouched generators ]
 Most pipelines never draw from the global generators, and their states (about 10 KB of
 bytes per worker) would be most of a saved state. A worker's generators are seeded at
 each epoch's start from ``(seed, rank, worker id, epoch)`` (NOTE [ Generators per epoch ]
-in ``_runtime.py``), so while nothing has drawn from them since, a checkpoint can say
+in ``_worker/runtime.py``), so while nothing has drawn from them since, a checkpoint can say
 "as seeded for epoch e" instead of holding the bytes, and a restore seeds them again.
 The runtime keeps the snapshot taken right after seeding (``seeded_epoch`` set) and, at
 each checkpoint, compares the fresh capture with it (:class:`Seeded`): every word, position
@@ -39,7 +39,7 @@ thread, whose freeing its torch tensors as the interpreter exited aborted the pr
 
 NOTE [ Own generators ]
 Some pipelines read under generator states of their own rather than the process's: the
-whole pipeline without workers (NOTE [ No workers ] in ``_runtime.py``), a replay in the
+whole pipeline without workers (NOTE [ No workers ] in ``_worker/runtime.py``), a replay in the
 main process (an elastic restore), a shuffle re-reading its window, an adapted object in
 replay mode. :class:`OwnGenerators` holds such states and is the one place that swaps
 them in: ``with generators:`` applies them, and on leaving keeps what the step drew and

@@ -4,13 +4,13 @@ NOTE [ Counter bounds ]
 A state file is untrusted input, and some of its counters set how much work a restore
 does: ``delivered - checkpoint.seq`` events are replayed (NOTE [ Sequence numbers ] in
 ``models.py``), and a restore onto another layout walks each new worker's pipeline
-through every epoch before ``epoch`` (``_epoch_start`` in ``_elastic.py``). Both are
+through every epoch before ``epoch`` (``_epoch_start`` in ``_resume/elastic.py``). Both are
 bounded by what a save can leave, and a state beyond them is refused before anything
 runs, naming the field:
 
 - A replay of at most :data:`MAX_REPLAY` events (131,072). A worker records a checkpoint
   at least every :data:`CHECKPOINT_GAP` events (65,536) whatever its budget says
-  (NOTE [ Checkpoint policy ] in ``_ring.py``), and a save answers with the newest one
+  (NOTE [ Checkpoint policy ] in ``_worker/ring.py``), and a save answers with the newest one
   at or before the consumer's position, so no save leaves more; before that rule, the
   budget alone (one checkpoint per few milliseconds of worker time) left far fewer,
   since an event crosses torch's worker queue, which costs tens of microseconds.

@@ -9,14 +9,14 @@ NOTE [ State format versions ]
 Format 2 keeps a checkpoint's pipeline state as plain data inside the state (checked like
 the rest of the file, ``plain.py``), where format 1 kept the dataset's state as msgpack
 bytes and the end of a batching epoch as a separate ``exhausted`` flag; batching is now a
-stage of the pipeline (NOTE [ Batching is a stage ] in ``datasets/batch.py``), so that
+stage of the pipeline (NOTE [ Batching is a stage ] in ``datasets/transforms/batch.py``), so that
 flag is part of its state. A format-1 state is migrated on load (``migrate.py``) and
 restores exactly as before; it is never refused for its version.
 
 NOTE [ Sequence numbers ]
 Each worker numbers the *events* it produces: one per batch (an "item" of the loader)
 and one per end of epoch, whether the worker reached it or the loader cut the epoch
-short (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``). ``delivered`` counts
+short (NOTE [ A new iter() starts an epoch ] in ``_main/iterator.py``). ``delivered`` counts
 the events the loader handed on (end markers included), so ``delivered`` is the sequence
 number of the next event the consumer wants from that worker. A checkpoint at ``seq`` is
 the worker's state just before producing event ``seq``; restoring it and replaying
@@ -149,11 +149,11 @@ class Checkpoint(_Model):
     Attributes:
         seq: Sequence number of the next event (see NOTE [ Sequence numbers ]).
         state: The state of the worker's pipeline, batching included (its cursor tree's
-            ``state()``, NOTE [ The cursor contract ] in ``datasets/cursor.py``), as plain
+            ``state()``, NOTE [ The cursor contract ] in ``datasets/protocol/cursor.py``), as plain
             data.
         rng: The worker's global generators; None when ``seeded_epoch`` says what they are.
         seeded_epoch: The generators are exactly as the loader seeds them for this epoch
-            (NOTE [ Generators per epoch ] in ``_runtime.py``): nothing had drawn from
+            (NOTE [ Generators per epoch ] in ``_worker/runtime.py``): nothing had drawn from
             them since, and a restore seeds them again instead of reading bytes (NOTE
             [ Untouched generators ] in ``rng/generators.py``). None when ``rng`` holds the bytes;
             left out of the plain data then, so such a state reads as it always did.
@@ -192,7 +192,7 @@ class Checkpoint(_Model):
 
 class OrderSnapshot(_Model):
     """The generators the main process draws an epoch's order from, at one moment
-    (NOTE [ Epoch orders ] in ``_sampling.py``).
+    (NOTE [ Epoch orders ] in ``_main/sampling.py``).
 
     Attributes:
         rng: The main process's global generators.

@@ -14,7 +14,7 @@ changes; every other name, and so every other fingerprint, is as before.
 
 :class:`QualName` is a ``str`` (the fingerprint hashes it as one) that remembers the name
 as written before this rule (``raw``), so a state saved from a script by an earlier
-version still matches (``Layout.matches`` in ``_layout.py``). Being a type of its own, it
+version still matches (``Layout.matches`` in ``_resume/layout.py``). Being a type of its own, it
 also marks a name in the config tree, so a state can carry its pipeline's names
 (``named``) and a refused restore can say which one differs.
 """

@@ -1,7 +1,7 @@
 """What a source's reads of remote files cost without a cache: counted files, counters.
 
 NOTE [ Direct reads ]
-Without ``cache_dir`` a source reads a remote file (``cacheable(url)`` in ``cache.py``:
+Without ``cache_dir`` a source reads a remote file (``cacheable(url)`` in ``storage/cache/node.py``:
 a URL with a protocol other than the local one, not chained) straight from the store.
 ``FileAccess.open`` then opens it through this process's :class:`CountedReads`, which
 counts, in the same :class:`CacheStats` fields the cache fills:
@@ -16,7 +16,7 @@ counts, in the same :class:`CacheStats` fields the cache fills:
   read-ahead buffer. An open made ``ahead`` of the reader
   (``TableSource``'s fetch threads) counts its bytes and its miss, not its time: the
   reader's wait for it is counted once, by the reader (NOTE [ Fetching files ahead ] in
-  ``table.py``), through :meth:`CountedReads.add_wait`.
+  ``datasets/files/table.py``), through :meth:`CountedReads.add_wait`.
 
 ``TokenSource`` without a cache reads a window with one range request (``cat_file``),
 not through an open: it adds each request as a miss, with its bytes and its time. So

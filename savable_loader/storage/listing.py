@@ -2,10 +2,10 @@
 
 NOTE [ Listing folders ]
 With ``cache_dir``, an entry is checked against the remote file's signature (size and ETag
-or modification time: NOTE [ File cache ] in ``cache.py``), which the cache asks of the
+or modification time: NOTE [ File cache ] in ``storage/cache/node.py``), which the cache asks of the
 store with ``info()`` (on S3 a HEAD request) before each reuse of a cached file; a file
 not cached yet takes it from its download's first GET (NOTE [ Probing a download ] in
-``cache_probe.py``). A table of many small files cached already then makes a request per
+``storage/cache/probe.py``). A table of many small files cached already then makes a request per
 file in every epoch, and the store's and the client's cost per request, not the bytes,
 bounds the throughput. With ``list_folders=True`` a ``TableSource`` takes the signatures
 from listings instead:
@@ -71,8 +71,8 @@ class FolderListings:
         self._closed = False
 
     def known(self, url: str) -> dict[str, Any] | None:
-        """``url``'s signature (``signature_of`` in ``cache.py``) from its folder's listing;
-        None before the folder is listed or when its listing does not hold the file.
+        """``url``'s signature (``signature_of`` in ``storage/cache/node.py``) from its folder's
+        listing; None before the folder is listed or when its listing does not hold the file.
         Starts a listing of the folder when it is due."""
         folder = url.rpartition("/")[0]
         with self._lock:

@@ -40,7 +40,7 @@ travels with the source into every worker, whatever the start method. Sources wi
 one use :data:`DEFAULT_POLICY`; replacing that changes them all, in the process that
 replaces it (forked workers inherit it; ``spawn`` and ``forkserver`` workers import this
 module afresh). Counting a source's samples (NOTE [ Counting samples ] in
-``sharded.py``) is retried the same way.
+``datasets/files/sharded.py``) is retried the same way.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ shards through the cache added 0.28 ms of CPU per 100 KB sample over local throu
 and 0.19 ms through botocore's client (``benchmarks/bench_client_cost.py``, the same
 rounds). So the GETs the library sends itself, not
 through a file object (the cache's probe, the rest of a download and the ranges of one
-read as it arrives: ``cache_probe.py``; a table's file read whole without a cache:
-``counted_reads.py``), go through a botocore client of the process, made for the s3fs
+read as it arrives: ``storage/cache/probe.py``; a table's file read whole without a cache:
+``storage/counted_reads.py``), go through a botocore client of the process, made for the s3fs
 filesystem as s3fs makes its own: from the filesystem's ``client_kwargs``, endpoint,
 ``use_ssl`` and config options, in a botocore session of the same profile, whose service
-models are the process's (NOTE [ Shared service models ] in ``_filesystems.py``), and the
+models are the process's (NOTE [ Shared service models ] in ``storage/filesystems.py``), and the
 same credentials.
 
 * The credentials are the keys the filesystem was given, or none with ``anon``; without
@@ -28,7 +28,7 @@ same credentials.
   ``translate_boto_error`` gives (a missing object ``FileNotFoundError``, a range past
   the end ``OSError(EINVAL)``, denied ``PermissionError``), chained from the original;
   connection, timeout and streaming errors stay botocore's and urllib3's, which NOTE
-  [ Retries ] in ``datasets/retry.py`` classifies as it does aiobotocore's.
+  [ Retries ] in ``storage/retry.py`` classifies as it does aiobotocore's.
 * One client per filesystem and process, built at its first GET; botocore's clients are
   thread-safe, so the fetch and prefetch threads share it. A forked child (a DataLoader
   worker) builds its own and closes its copies of the parent's connections.

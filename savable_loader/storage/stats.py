@@ -1,6 +1,6 @@
 """What a source's reads of remote files cost: :class:`CacheStats`, filled by the node's
-cache (NOTE [ File cache ] in ``cache.py``) or, without one, by the direct reads (NOTE
-[ Direct reads ] in ``counted_reads.py``), and their sums over stages and processes.
+cache (NOTE [ File cache ] in ``storage/cache/node.py``) or, without one, by the direct reads (NOTE
+[ Direct reads ] in ``storage/counted_reads.py``), and their sums over stages and processes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ __all__ = ["CacheStats", "summed"]
 @dataclasses.dataclass
 class CacheStats:
     """What this process's reads of remote files cost: with a cache, what the cache did
-    (NOTE [ File cache ] in ``cache.py``); without one, the direct reads
-    (NOTE [ Direct reads ] in ``counted_reads.py``).
+    (NOTE [ File cache ] in ``storage/cache/node.py``); without one, the direct reads
+    (NOTE [ Direct reads ] in ``storage/counted_reads.py``).
 
     Attributes:
         bytes_downloaded: Bytes downloaded into the cache, prefetched ones too; without

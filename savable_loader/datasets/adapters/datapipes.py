@@ -7,7 +7,7 @@ itself:
 
 - ``shuffle=`` switches the pipe's ``shuffle()`` steps on or off
   (``graph_settings.apply_shuffle_settings``) instead of being refused. The probe of the
-  arguments (``_torch_probe`` in ``savable_loader/_pipeline.py``) is torch's own
+  arguments (``_torch_probe`` in ``savable_loader/_main/pipeline.py``) is torch's own
   ``DataLoader`` and already does it, on the user's pipe, as torch does.
 - Its ``sharding_filter()`` steps keep one item in ``workers * world_size`` in each
   worker, the worker ``w`` of rank ``r`` keeping share ``w * world_size + r``, torch's
@@ -23,7 +23,7 @@ itself:
   order is therefore the loader's, reproducible from its seed, not torch's.
 
 A pipe has no position of its own: it iterates, and saving raises, as for any
-``IterableDataset`` without one (NOTE [ Datasets without a position ] in ``adapt.py``).
+``IterableDataset`` without one (NOTE [ Datasets without a position ] in ``datasets/adapt.py``).
 """
 
 from __future__ import annotations

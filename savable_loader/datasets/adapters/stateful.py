@@ -129,10 +129,10 @@ class StatefulDataset(Stage[T]):
             iterable with ``state_dict()`` and ``load_state_dict()``, or whose
             ``__iter__`` returns an iterator that has them (NOTE [ A position kept by
             the iterator ]); the values of those states are written as plain data
-            (NOTE [ Values of a Stateful object's state ] in ``stateful_values.py``).
-            It shards itself
+            (NOTE [ Values of a Stateful object's state ] in
+            ``datasets/adapters/stateful_values.py``). It shards itself
             over workers, as with torch's ``DataLoader``; its cursor reads this object
-            itself (NOTE [ A dataset is its own position ] in ``adapt.py``).
+            itself (NOTE [ A dataset is its own position ] in ``datasets/adapt.py``).
         resume: "state", "replay" or "auto" (NOTE [ Two resume modes ]).
 
     Raises:
@@ -205,7 +205,7 @@ class _StatefulCursor(Cursor[T]):
         #: The state ``iter(obj)`` loads once made, when it is an object of its own.
         self._resting_iterator: Any = None
         #: Where epoch 0 starts: in a worker, the object as ``worker_init_fn`` left it
-        #: (NOTE [ Fresh workers ] in ``_runtime.py``), not as the main process had it.
+        #: (NOTE [ Fresh workers ] in ``_worker/runtime.py``), not as the main process had it.
         self._initial = stage.initial
         if stage.initial is not None and get_worker_info() is not None:
             self._initial = copy.deepcopy(self.obj.state_dict())
@@ -223,7 +223,7 @@ class _StatefulCursor(Cursor[T]):
     def end_epoch(self) -> None:
         """Drops the rest of the epoch without reading it: the next one begins with a new
         ``iter(obj)``, from where the object stands, as torch's ``DataLoader`` begins a
-        new iteration (NOTE [ A new iter() starts an epoch ] in ``_iterator.py``)."""
+        new iteration (NOTE [ A new iter() starts an epoch ] in ``_main/iterator.py``)."""
         if self._iterator is None and self.stage.resume == "state":
             # The epoch's iter(obj) began before it was cut, as torch's worker began it:
             # a state loaded for that iteration (a restore) is used up by it, not by the

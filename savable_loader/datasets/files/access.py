@@ -4,8 +4,8 @@ Every source that reads files (the file sources, ``TokenSource``, ``TableSource`
 :class:`FileAccess` in, so they share one meaning for ``retry``, ``storage_options``,
 ``cache_dir``, ``cache_limit`` and ``prefetch``, and one set of methods a user calls on
 any of them: ``cache_stats()`` and ``close_cache()``. What the cache does is NOTE
-[ File cache ] in ``cache.py``; what is counted without one, NOTE [ Direct reads ] in
-``counted_reads.py``; how a read is retried is NOTE [ Retries ] in ``retry.py``.
+[ File cache ] in ``storage/cache/node.py``; what is counted without one, NOTE [ Direct reads ] in
+``storage/counted_reads.py``; how a read is retried is NOTE [ Retries ] in ``storage/retry.py``.
 
 NOTE [ fsspec after fork ]
 fsspec runs its async filesystems (s3fs, gcsfs, http) on one event loop, in a thread of
@@ -69,7 +69,8 @@ class FileAccess:
     cache_limit: int
     prefetch: int
     #: Each file's signature as the source's listing gave it when it was built (NOTE
-    #: [ Listed signatures ] in ``files.py``), by URL; empty for a source that lists none.
+    #: [ Listed signatures ] in ``datasets/files/file_list.py``), by URL; empty for a source that
+    #: lists none.
     listed: dict[str, dict[str, Any]]
     _filesystems: dict[str, Any]
     _cache: tuple[int, FileCache] | None
@@ -136,17 +137,17 @@ class FileAccess:
         that opening a file costs no new client (``skip_instance_cache`` included); a
         forked worker builds its own (fsspec's async filesystems are not fork-safe).
         With ``cache_dir``, a remote file is read from the node's cache, downloaded
-        first when needed (NOTE [ File cache ] in ``cache.py``); without, its open and
-        reads are counted (NOTE [ Direct reads ] in ``counted_reads.py``).
+        first when needed (NOTE [ File cache ] in ``storage/cache/node.py``); without, its open and
+        reads are counted (NOTE [ Direct reads ] in ``storage/counted_reads.py``).
 
         Args:
             url: The file.
             ahead: The open is made ahead of the reader (``TableSource``'s fetch
                 threads): its time is not the reader's wait and is not counted.
             known: With a cache, the file's signature from a listing (``signature_of``
-                in ``cache.py``), so the cache does not ask the store for it.
+                in ``storage/cache/node.py``), so the cache does not ask the store for it.
             stream: With a cache, a large file this open downloads is read as it
-                arrives (NOTE [ Reading a download ] in ``cache_stream.py``): for a
+                arrives (NOTE [ Reading a download ] in ``storage/cache/download.py``): for a
                 reader that reads on from one place, not a memory map.
         """
         if "::" in url:
@@ -168,7 +169,7 @@ class FileAccess:
     ) -> bytes:
         """The bytes of ``url``, decompressed by its extension, as :meth:`open` reads them;
         a remote file read without a cache, and not compressed, takes one request (NOTE
-        [ Direct reads ] in ``counted_reads.py``), where an open asks for its size first."""
+        [ Direct reads ] in ``storage/counted_reads.py``), where an open asks for its size first."""
         if self.cache_dir is None and cacheable(url) and get_compression(url, "infer") is None:
             return self.counted_reads().cat(self.filesystem(url), url, ahead=ahead)
         with self.open(url, ahead=ahead, known=known) as file:
@@ -176,7 +177,7 @@ class FileAccess:
 
     def read_retrying(self, url: str, read: Callable[[], R]) -> R:
         """``read()``, a read of ``url``, with storage errors as ``StorageError`` and
-        transient ones retried (NOTE [ Retries ] in ``retry.py``)."""
+        transient ones retried (NOTE [ Retries ] in ``storage/retry.py``)."""
 
         def once() -> R:
             with storage_errors(url):
@@ -204,7 +205,7 @@ class FileAccess:
 
     def counted_reads(self) -> CountedReads:
         """This process's counters of the reads the cache does not count (NOTE
-        [ Direct reads ] in ``counted_reads.py``), built when first needed in every
+        [ Direct reads ] in ``storage/counted_reads.py``), built when first needed in every
         process; threads that build it at once get the same one."""
         counted = self._counted.get(os.getpid())
         if counted is None:
@@ -214,9 +215,9 @@ class FileAccess:
     def cache_stats(self) -> CacheStats | None:
         """What this process's reads of remote files cost so far, a snapshot.
 
-        With ``cache_dir``, the cache's figures (NOTE [ File cache ] in ``cache.py``);
+        With ``cache_dir``, the cache's figures (NOTE [ File cache ] in ``storage/cache/node.py``);
         without, those of the direct reads (NOTE [ Direct reads ] in
-        ``counted_reads.py``); a ``TableSource``'s reader's waits for its fetch threads
+        ``storage/counted_reads.py``); a ``TableSource``'s reader's waits for its fetch threads
         are added to either. None while this process has read no remote file (or since
         :meth:`close_cache`).
         """
@@ -248,7 +249,8 @@ class FileAccess:
 
     def prefetch_files(self, urls: list[str]) -> None:
         """Downloads ``urls``, the next files a stream reads, into the cache in the
-        background (NOTE [ Prefetching files ] in ``cache.py``); nothing without one."""
+        background (NOTE [ Prefetching files ] in ``storage/cache/node.py``); nothing without
+        one."""
         cache = self.file_cache()
         if cache is not None and urls:
             known = {url: s for url in urls if (s := self._listed_signature(url)) is not None}
@@ -256,13 +258,15 @@ class FileAccess:
 
     def _listed_signature(self, url: str) -> dict[str, Any] | None:
         """``url``'s signature from the source's listing, where the cache may take it
-        instead of asking the store (NOTE [ Listed signatures ] in ``files.py``)."""
+        instead of asking the store (NOTE [ Listed signatures ] in
+        ``datasets/files/file_list.py``)."""
         known = self.listed.get(url)
         return known if known is not None and asks(self.filesystem(url), url) else None
 
     def _listed_hit(self, cache: FileCache, url: str) -> dict[str, Any] | None:
         """``url``'s listed signature when ``cache`` holds the file it describes (NOTE
-        [ Listed signatures ] in ``files.py``): an open then asks the store nothing."""
+        [ Listed signatures ] in ``datasets/files/file_list.py``): an open then asks the store
+        nothing."""
         known = self._listed_signature(url)
         return known if known is not None and is_valid(cache.directory, url, known) else None
 
@@ -292,7 +296,7 @@ class FileAccess:
 def _cache_folder_errors(directory: Path, url: str | None = None) -> Iterator[None]:
     """Turns an ``OSError`` of the cache folder (not of the remote file) into a
     StorageError that names the folder, never retried: a full disk or a folder that
-    cannot be written is not the store's fault (``in_folder`` in ``cache_entries.py``)."""
+    cannot be written is not the store's fault (``in_folder`` in ``storage/cache/entries.py``)."""
     try:
         yield
     except OSError as exc:
@@ -334,8 +338,8 @@ def storage_stats(root: Stage[Any]) -> dict[str, Any] | None:
     from the store), ``hits`` (opens served by the cache; 0 without), ``misses`` (opens
     that downloaded; without a cache, every open of a remote file), ``prefetched``
     (files the cache's prefetch threads downloaded; 0 without) and ``wait_seconds``
-    (seconds the readers waited on storage: NOTE [ File cache ] in ``cache.py``, NOTE
-    [ Direct reads ] in ``counted_reads.py``). None when no such stage has read a remote
+    (seconds the readers waited on storage: NOTE [ File cache ] in ``storage/cache/node.py``, NOTE
+    [ Direct reads ] in ``storage/counted_reads.py``). None when no such stage has read a remote
     file here yet: local files are not counted.
     """
     parts: list[CacheStats] = []

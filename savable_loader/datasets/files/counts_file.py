@@ -2,7 +2,7 @@
 
 NOTE [ Counts files ]
 ``split="samples"`` needs the number of samples of every file (NOTE [ Counting samples ]
-in ``sharded.py``). Counting reads every file: through a cache, the whole dataset is
+in ``datasets/files/sharded.py``). Counting reads every file: through a cache, the whole dataset is
 downloaded before the first batch; without one, it is read through once more. A counts
 file records the counts once, written by ``ShardedSource.write_counts(url)`` (which counts
 as the loader would), and a source built with ``counts=url`` takes them from it:
@@ -11,7 +11,7 @@ as the loader would), and a source built with ``counts=url`` takes them from it:
   ``format`` tag and ``version``, the source's type, and per file its ``name`` (relative to
   the counts file's folder when the file lies under it, else its whole URL), its
   ``samples``, and the signature it had when counted: ``size`` and ETag or modification
-  time (``signature_of`` in ``cache.py``).
+  time (``signature_of`` in ``storage/cache/node.py``).
 * A count is taken only for a file whose signature now equals the recorded one: the same
   size, and the same ETag when the store reports one both times (an S3 ETag is the
   content's hash for a single-part upload), else the same modification time. Any other

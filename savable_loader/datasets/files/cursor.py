@@ -1,12 +1,12 @@
 """The cursor of the file sources: one stream's share of an epoch, one open file at a time.
 
-It reads with either rule of NOTE [ Shard listing and assignment ] in ``sharded.py``:
+It reads with either rule of NOTE [ Shard listing and assignment ] in ``datasets/files/sharded.py``:
 whole files (``split="files"``: an index into the stream's own list of files), or a run
 of the epoch's sample ids (``split="samples"``, NOTE [ Splitting files by samples ] in
-``sample_split.py``). A source's cursor only says how to read one item of an open file
-(:meth:`ShardCursor.read_item`) and what its position inside a file is. Every read goes
+``datasets/files/sample_split.py``). A source's cursor only says how to read one item of an open
+file (:meth:`ShardCursor.read_item`) and what its position inside a file is. Every read goes
 through :meth:`ShardCursor.attempt`, which retries transient storage errors from the same
-position (NOTE [ Retries ] in ``retry.py``).
+position (NOTE [ Retries ] in ``storage/retry.py``).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class ShardCursor(Cursor[T]):
         self.spans: Spans | None = None
         self._run: _Run[T] | None = None
         #: A restore opens the file at the restored offset to check it (else the first
-        #: read does): NOTE [ States checked at the door ] in ``stage.py``.
+        #: read does): NOTE [ States checked at the door ] in ``datasets/protocol/stage.py``.
         self.check_files = False
         #: The key of the item ``next()`` last returned (:meth:`item_key`).
         self._key: tuple[int, ...] | None = None
@@ -291,7 +291,7 @@ class ShardCursor(Cursor[T]):
 
     def attempt(self, url: str, call: Callable[[], R]) -> R:
         """Returns ``call()``, a read of ``url``; after a failure closes the file, keeping
-        the position, and retries a transient error (NOTE [ Retries ] in ``retry.py``)."""
+        the position, and retries a transient error (NOTE [ Retries ] in ``storage/retry.py``)."""
         return retrying(url, call, self.close, self.stage.retry)
 
     def open_file(self, url: str) -> IO[bytes]:
@@ -313,7 +313,7 @@ class ShardCursor(Cursor[T]):
     def upcoming(self) -> list[str]:
         """The next ``stage.prefetch`` files this stream reads after the current one in
         this epoch, as far as its position tells (NOTE [ Prefetching files ] in
-        ``cache.py``): a hint that changes nothing read."""
+        ``storage/cache/node.py``): a hint that changes nothing read."""
         ahead = self.stage.prefetch
         if self.stage.split == "files":
             urls = self._layout()[1]

@@ -8,7 +8,7 @@ literal path is kept without a look-up, so a missing file shows when it is read.
 
 NOTE [ Listed signatures ]
 On S3 a listing gives each file's size, ETag and modification time: the signature that
-the cache checks an entry against (NOTE [ File cache ] in ``cache.py``), for which it
+the cache checks an entry against (NOTE [ File cache ] in ``storage/cache/node.py``), for which it
 otherwise asks ``info()``, a HEAD request, at every open. The file sources that list
 globs (the sharded ones, ``TokenSource``) keep what their listing said of each file
 (``listed``, with ``cache_dir`` or a counts file, whose signatures they are too) and,
@@ -17,7 +17,7 @@ with ``cache_dir``, spend it so:
 * An open of a file whose cached entry holds the listed version reads it without a
   request, in every worker and epoch. Any other open asks the store as before: its
   download's first request brings the signature (NOTE [ Probing a download ] in
-  ``cache_probe.py``), so a file replaced since the listing is downloaded as it is now.
+  ``storage/cache/probe.py``), so a file replaced since the listing is downloaded as it is now.
 * A prefetch thread downloads a listed file with one GET checked against the listed
   ETag, without ``info()`` first. A file replaced since the listing fails that check:
   the thread drops it, and the reader's own open downloads it as above.

@@ -2,8 +2,8 @@
 
 NOTE [ JSON lines position ]
 A stream's position is the file it reads (``shard``, an index into its own list of
-the epoch, NOTE [ Shard listing and assignment ] in ``sharded.py``), the lines already
-read in that file (``line``, blank ones included) and the byte offset of the next line
+the epoch, NOTE [ Shard listing and assignment ] in ``datasets/files/sharded.py``), the lines
+already read in that file (``line``, blank ones included) and the byte offset of the next line
 in the decompressed file (``offset``). Restoring opens the file and seeks to
 ``offset``: the lines before it are never read again in Python (a compressed file is
 decompressed up to there, NOTE [ Seeking into compressed files ]). ``line`` only keeps
@@ -71,8 +71,8 @@ class JsonLinesSource(ShardedSource[Any]):
         workers or ranks, the resumed epoch's state also holds ``done_below``, ``done``
         and ``started`` (``[place, offset, line]`` entries): the files finished and
         begun before it, whose rest this stream shares with the others (NOTE [ Elastic
-        file order ] in ``file_rest.py``). Restore opens the file and seeks to the offset;
-        nothing is replayed beyond what the loader's checkpoint policy replays.
+        file order ] in ``datasets/files/reshard.py``). Restore opens the file and seeks to the
+        offset; nothing is replayed beyond what the loader's checkpoint policy replays.
         ``skip`` reads: reading is the replay.
     """
 
@@ -84,7 +84,8 @@ class JsonLinesSource(ShardedSource[Any]):
         return JsonLinesCursor(self, context)
 
     def count_items(self, file: IO[bytes], url: str) -> int:
-        """The non-blank lines of ``file`` (NOTE [ Counting samples ] in ``sharded.py``)."""
+        """The non-blank lines of ``file`` (NOTE [ Counting samples ] in
+        ``datasets/files/sharded.py``)."""
         return sum(1 for raw in file if raw.strip())
 
 

@@ -2,12 +2,12 @@
 
 NOTE [ File sources by position ]
 With ``split="global"`` a file source (``JsonLinesSource``, ``TarSource``) is read by
-position (NOTE [ Pipelines read by position ] in ``global_view.py``): the loader shares
+position (NOTE [ Pipelines read by position ] in ``datasets/global_view.py``): the loader shares
 the epoch's positions out over ranks and workers as an ``IndexedDataset``'s, so global
 batch ``j`` holds positions ``[j G, (j + 1) G)`` on every layout of one global batch
 size ``G`` (ranks x per-rank batch size). Position ``p`` is mapped to one of the epoch's
-sample ids (NOTE [ Splitting files by samples ] in ``sample_split.py``: the files in the
-epoch's order, the samples of each in order) through *lanes*:
+sample ids (NOTE [ Splitting files by samples ] in ``datasets/files/sample_split.py``: the files in
+the epoch's order, the samples of each in order) through *lanes*:
 
 - the ``N`` ids are cut into ``G`` lanes of consecutive ids, the first ``m`` of
   ``S = ceil(N / G)`` ids and the others of ``S - 1`` (``m = N - (S - 1) G``);
@@ -15,8 +15,8 @@ epoch's order, the samples of each in order) through *lanes*:
 
 Global batch ``j`` thus holds the ``j``-th id of every lane, the same ids on every layout
 of ``G``. Rank ``r`` of ``R``, which reads every ``R``-th position of a global batch
-(NOTE [ Indexed order and sharding ] in ``indexed.py``), reads ``b = G / R`` whole lanes,
-``r, r + R, ...``: about ``N / R`` ids, as with ``split="samples"``, but in ``b`` runs
+(NOTE [ Indexed order and sharding ] in ``datasets/index/indexed.py``), reads ``b = G / R`` whole
+lanes, ``r, r + R, ...``: about ``N / R`` ids, as with ``split="samples"``, but in ``b`` runs
 spread over the epoch rather than one. A worker reads every ``W``-th step of its rank's
 lanes, one forward reader per lane, passing the samples of the other workers' steps (a
 tar member's header, a JSON line, without parsing it), and a reader whose lane begins

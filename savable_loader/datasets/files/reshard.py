@@ -5,8 +5,8 @@ The canonical order of epoch ``e`` is its file order above, lines or samples in 
 within a file; it depends on neither ranks nor workers. What a layout consumed is, per
 stream, a prefix of its files: whole files before its ``shard``, the current one up to
 its position, nothing after. On a restore onto another layout (NOTE [ Elastic resume ]
-in ``elastic.py``) the source gathers that over every saved stream and records the rest
-of the epoch in three fields that every new stream holds alike: ``done_below`` (every
+in ``datasets/protocol/elastic.py``) the source gathers that over every saved stream and records the
+rest of the epoch in three fields that every new stream holds alike: ``done_below`` (every
 file before that place of the order is finished), ``done`` (the finished files after
 it, ascending) and ``started`` (``[place, offset, ...]`` for each begun file that is
 not finished: where it resumes, the rest of the position as the source's state names
@@ -198,7 +198,7 @@ class FileLayout(Protocol):
 def reshard_files(source: FileLayout, plan: ReshardPlan) -> dict[str, Any]:
     """The state of ``plan.new``'s stream (NOTE [ Elastic file order ]); what the old
     streams left is worked out once per restore (NOTE [ One answer per restore ] in
-    ``elastic.py``).
+    ``datasets/protocol/elastic.py``).
 
     Raises:
         StateError: The saved states are malformed, stand in another epoch or

@@ -2,8 +2,8 @@
 
 NOTE [ Splitting files by samples ]
 With ``split="samples"`` (the default) the samples of epoch ``e`` form one sequence: the
-files in the epoch's order (NOTE [ Shard listing and assignment ] in ``sharded.py``), the
-samples of each file in order. Sample ``s`` of that sequence has the *id* ``s``, and the
+files in the epoch's order (NOTE [ Shard listing and assignment ] in ``datasets/files/sharded.py``),
+the samples of each file in order. Sample ``s`` of that sequence has the *id* ``s``, and the
 ids go on cyclically past the last sample: id ``i`` is sample ``i % N`` of an ``N``-sample
 epoch. A fresh epoch on ``R`` ranks reads the ids ``[0, L)``, ``L`` being ``N`` padded up
 to a multiple of ``R`` (``even="pad"``: the first samples come again at the end, as
@@ -19,7 +19,7 @@ an error at the first pass of an endless ``Repeat`` over it): ``ShardedSource.ch
 refuses that layout when the loader is built, naming the fix (fewer workers).
 
 Sharing out samples needs the number of samples of each file: the source counts them
-once per process, reading every file (NOTE [ Counting samples ] in ``sharded.py``),
+once per process, reading every file (NOTE [ Counting samples ] in ``datasets/files/sharded.py``),
 in the main process when the loader is built, before its workers start. A single stream
 (one rank, at most one worker) reads the files in order and needs no count.
 
@@ -31,8 +31,8 @@ a file reads that file's first samples without yielding them, once per epoch.
 NOTE [ Elastic sample order ]
 The ids are the canonical order of the epoch; they depend on neither ranks nor workers.
 What a layout consumed is, per stream, a prefix of its run of ids. On a restore onto
-another layout (NOTE [ Elastic resume ] in ``elastic.py``) the source takes every saved
-stream's prefix out of the ids the layout read and records what is left as ``rest``
+another layout (NOTE [ Elastic resume ] in ``datasets/protocol/elastic.py``) the source takes every
+saved stream's prefix out of the ids the layout read and records what is left as ``rest``
 (ascending ``[start, stop)`` spans of ids) and ``length`` (one past the largest id the
 epoch has used). So that every new rank reads as many, ``even="pad"`` first appends the
 fewest next ids (``length``, ``length + 1``, ..., the cyclic order going on) that make

@@ -1,11 +1,11 @@
 """The base of the sources that read a sorted list of files, sharded over streams.
 
 NOTE [ Shard listing and assignment ]
-The files are listed and sorted as NOTE [ Listing files ] in ``files.py`` says. In
-epoch ``e`` the files come in that sorted order, or in a permutation drawn from
+The files are listed and sorted as NOTE [ Listing files ] in ``datasets/files/file_list.py`` says.
+In epoch ``e`` the files come in that sorted order, or in a permutation drawn from
 ``(seed, e)`` with ``shuffle_shards``. With ``split="samples"`` (the default) the
 samples of the epoch are shared out over the (rank, worker) streams so that every rank
-reads as many (NOTE [ Splitting files by samples ] in ``sample_split.py``). With
+reads as many (NOTE [ Splitting files by samples ] in ``datasets/files/sample_split.py``). With
 ``split="files"`` (the only rule before the option existed) whole files are: file ``i`` of
 the order goes to the stream whose ``context.shard_index`` is ``i % context.num_shards``,
 which reads its files one after the other, so its position is an index into its own
@@ -23,8 +23,8 @@ files there): lines for JSON lines, member headers for tar (a local file, or a r
 one's copy in the cache, is read header to header, seeking over the members' data; a
 remote file read in place, or a compressed one, is read through). With ``counts=``, the
 files that a counts file describes as they are now are not read: their counts come from
-it (NOTE [ Counts files ] in ``counts_file.py``). The counts stay with the stage object
-(and its pickles) for the life of the process. Files that change after they were counted
+it (NOTE [ Counts files ] in ``datasets/files/counts_file.py``). The counts stay with the stage
+object (and its pickles) for the life of the process. Files that change after they were counted
 are an error when read, not a silent shift.
 
 NOTE [ Seeking into compressed files ]
@@ -95,21 +95,22 @@ class ShardedSource(FileAccess, Stage[T]):
         even: With ``split="samples"``: ``"pad"`` repeats the first samples so that
             the ranks' shares are equal, ``"drop"`` leaves the last ones out.
         retry: How reads are retried after transient storage errors (NOTE [ Retries ]
-            in ``retry.py``); None: ``retry.DEFAULT_POLICY``. Not part of ``config()``.
+            in ``storage/retry.py``); None: ``retry.DEFAULT_POLICY``. Not part of ``config()``.
         storage_options: Passed to fsspec (credentials, endpoint...); not part of
             ``config()``.
         cache_dir: A local folder where remote files are downloaded whole before they
             are read and kept for later opens, shared by the processes of a node (NOTE
-            [ File cache ] in ``cache.py``); None: read in place. Not part of ``config()``.
+            [ File cache ] in ``storage/cache/node.py``); None: read in place. Not part of
+            ``config()``.
         cache_limit: Bytes the cache keeps once its files are read; None: 10 GiB. A
             larger file is streamed uncached. Needs ``cache_dir``.
         prefetch: With ``cache_dir``: the next files of each stream downloaded in the
             background while one is read, by as many threads (0: none; NOTE
-            [ Prefetching files ] in ``cache.py``).
+            [ Prefetching files ] in ``storage/cache/node.py``).
         counts: A counts file (path or URL) written by :meth:`write_counts`: with
             ``split="samples"``, the samples of the files it describes unchanged are
             taken from it instead of counted (NOTE [ Counts files ] in
-            ``counts_file.py``). Not part of ``config()``.
+            ``datasets/files/counts_file.py``). Not part of ``config()``.
 
     Raises:
         ConfigError: An argument is invalid or a glob matches nothing.
@@ -186,7 +187,7 @@ class ShardedSource(FileAccess, Stage[T]):
         self.shuffle_shards = shuffle_shards
         self.seed = seed
         #: ``split="global"``: read by position (NOTE [ File sources by position ] in
-        #: ``file_positions.py``); its cursor reads as ``split="samples"`` otherwise.
+        #: ``datasets/files/positions.py``); its cursor reads as ``split="samples"`` otherwise.
         self.by_position = split == "global"
         self.split: Split = "samples" if split == "global" else split
         self.even: Even = even
@@ -219,7 +220,7 @@ class ShardedSource(FileAccess, Stage[T]):
 
     def sample_counts(self) -> tuple[int, ...]:
         """The samples of each file of ``urls``, counted once (NOTE [ Counting samples ]),
-        or taken from the counts file (NOTE [ Counts files ] in ``counts_file.py``).
+        or taken from the counts file (NOTE [ Counts files ] in ``datasets/files/counts_file.py``).
 
         Raises:
             StorageError: Reading a file, or the counts file, failed.
@@ -242,7 +243,7 @@ class ShardedSource(FileAccess, Stage[T]):
     def write_counts(self, url: str | os.PathLike[str]) -> None:
         """Counts the samples of every file, as a loader would, and writes them to a counts
         file at ``url`` (a path or URL, written atomically when local) with each file's
-        signature, for ``counts=url`` (NOTE [ Counts files ] in ``counts_file.py``).
+        signature, for ``counts=url`` (NOTE [ Counts files ] in ``datasets/files/counts_file.py``).
 
         Raises:
             StorageError: Reading a file, or writing ``url``, failed.
@@ -375,7 +376,7 @@ class ShardedSource(FileAccess, Stage[T]):
 
     def access(self, context: WorkerContext) -> FilePositions[T] | None:
         """The samples by position with ``split="global"`` (NOTE [ File sources by
-        position ] in ``file_positions.py``); else None."""
+        position ] in ``datasets/files/positions.py``); else None."""
         return FilePositions(self, context) if self.by_position else None
 
     def reads_by_layout(self) -> bool:
@@ -437,8 +438,8 @@ class ShardedSource(FileAccess, Stage[T]):
 
     def checking_cursor(self, context: WorkerContext) -> Cursor[T]:
         """A cursor to restore a state into (NOTE [ States checked at the door ] in
-        ``stage.py``); without workers it opens the file at the restored offset, as the
-        first read in this process would."""
+        ``datasets/protocol/stage.py``); without workers it opens the file at the restored offset,
+        as the first read in this process would."""
         cursor = self.cursor(context)
         if context.num_workers == 0 and hasattr(cursor, "check_files"):  # a ShardCursor
             cursor.check_files = True
@@ -472,7 +473,8 @@ class ShardedSource(FileAccess, Stage[T]):
 
     def reshard(self, plan: ReshardPlan) -> dict[str, Any]:
         """The state of ``plan.new``'s stream (NOTE [ Elastic sample order ] in
-        ``sample_split.py``, NOTE [ Elastic file order ] in ``file_rest.py``).
+        ``datasets/files/sample_split.py``, NOTE [ Elastic file order ] in
+        ``datasets/files/reshard.py``).
 
         Raises:
             StateError: The saved states are malformed, stand in another epoch or

@@ -1,7 +1,7 @@
 """``TableSource``: an index-driven source, a table of samples whose rows name their files.
 
 NOTE [ Index-driven source ]
-A table (Parquet, CSV or JSON lines: NOTE [ Table formats ] in ``table_read.py``) is
+A table (Parquet, CSV or JSON lines: NOTE [ Table formats ] in ``datasets/files/table_read.py``) is
 read once, when the source is built, in the process that builds it; workers receive it
 with the source. Each row is a sample: its metadata, and in the ``files`` columns the
 URLs of the files it needs (an image, a caption...). The rows form a map-style dataset,
@@ -27,7 +27,7 @@ fetch does not cross the end of an epoch.
 
 The reader's wait on storage (``wait_seconds`` of ``cache_stats()``) is counted once,
 where it waits: on a remote file's fetch result (NOTE [ Direct reads ] in
-``counted_reads.py``, with a cache too), or in the open and reads of a file it reads
+``storage/counted_reads.py``, with a cache too), or in the open and reads of a file it reads
 itself (``threads=0``, a dropped request). The fetch threads' opens count their bytes,
 hits and misses, not their time, which passes while the reader works.
 """
@@ -89,7 +89,7 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
             rows of the epoch's order, ``"drop"`` leaves its last ones out, so that every
             rank reads as many rows and yields as many batches.
         format: ``"parquet"``, ``"csv"`` or ``"jsonl"``; None: from each table file's
-            extension (NOTE [ Table formats ] in ``table_read.py``).
+            extension (NOTE [ Table formats ] in ``datasets/files/table_read.py``).
         threads: Threads per process that fetch files (NOTE [ Fetching files ahead ]);
             0: every file is read in the reading thread, one after the other.
         prefetch: Rows ahead of the one being read whose files are fetched, with
@@ -98,14 +98,14 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
             listing of their folders, made once per process in the background (on S3 one
             request per 1,000 keys of the folder), instead of asking the store before
             each file (a request per file): for folders that hold mostly the table's
-            files (NOTE [ Listing folders ] in ``listing.py``). Not part of ``config()``.
+            files (NOTE [ Listing folders ] in ``storage/listing.py``). Not part of ``config()``.
         retry: How reads are retried after transient storage errors (NOTE [ Retries ]
-            in ``retry.py``); None: ``retry.DEFAULT_POLICY``. Not part of ``config()``.
+            in ``storage/retry.py``); None: ``retry.DEFAULT_POLICY``. Not part of ``config()``.
         storage_options: Passed to fsspec (credentials, endpoint...), for the table too;
             not part of ``config()``.
         cache_dir: A local folder where remote files (the table too) are downloaded and
             kept for later reads, shared by the processes of a node (NOTE [ File cache ]
-            in ``cache.py``); None: read in place. Not part of ``config()``.
+            in ``storage/cache/node.py``); None: read in place. Not part of ``config()``.
         cache_limit: Bytes the cache keeps; None: 10 GiB. Needs ``cache_dir``.
 
     Raises:
@@ -212,7 +212,7 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
         return _TableCursor(self, context)
 
     def read_file(self, url: str) -> bytes:
-        """The bytes of ``url``, retried (NOTE [ Retries ] in ``retry.py``).
+        """The bytes of ``url``, retried (NOTE [ Retries ] in ``storage/retry.py``).
 
         Raises:
             StorageError: The file cannot be read; names the URL.
@@ -221,14 +221,14 @@ class TableSource(FileAccess, IndexedDataset[dict[str, Any]]):
 
     def known(self, url: str) -> dict[str, Any] | None:
         """``url``'s signature from its folder's listing, with ``list_folders`` and a
-        cache (NOTE [ Listing folders ] in ``listing.py``); else None."""
+        cache (NOTE [ Listing folders ] in ``storage/listing.py``); else None."""
         if not self.list_folders or self.cache_dir is None or not cacheable(url):
             return None
         return self.folder_listings().known(url)
 
     def folder_listings(self) -> FolderListings:
         """This process's listings of the files' folders, built when first needed in
-        every process (NOTE [ Listing folders ] in ``listing.py``)."""
+        every process (NOTE [ Listing folders ] in ``storage/listing.py``)."""
         if self._listings is None or self._listings[0] != os.getpid():
             options = {
                 **self.storage_options,

@@ -1,6 +1,6 @@
 """The fetch threads of a ``TableSource``: a small pool that reads files ahead of the rows.
 
-What they fetch and when is NOTE [ Fetching files ahead ] in ``table.py``.
+What they fetch and when is NOTE [ Fetching files ahead ] in ``datasets/files/table.py``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ first dot, the extension everything after that dot (``a/b/0001.seg.png`` has key
 sample, ``{"__key__": key, "__url__": url, ext: bytes, ...}``. Members that are not
 regular files, or whose base name has no key or no extension (``.hidden``, ``README``),
 are passed over, as WebDataset does. Shards are listed, sorted and shared out over ranks
-and workers as NOTE [ Shard listing and assignment ] in ``sharded.py`` says.
+and workers as NOTE [ Shard listing and assignment ] in ``datasets/files/sharded.py`` says.
 
 NOTE [ Tar position ]
 The position is the file (``shard``, an index into this stream's list of the epoch)
@@ -83,8 +83,8 @@ class TarSource(ShardedSource[dict[str, Any]]):
         ranks, the resumed epoch's state also holds ``done_below``, ``done`` and
         ``started`` (``[place, offset]`` entries): the shards finished and begun before
         it, whose rest this stream shares with the others (NOTE [ Elastic file order ]
-        in ``file_rest.py``). Restore seeks there and reads on; nothing is replayed beyond
-        what the loader's checkpoint policy replays; ``skip`` reads.
+        in ``datasets/files/reshard.py``). Restore seeks there and reads on; nothing is replayed
+        beyond what the loader's checkpoint policy replays; ``skip`` reads.
     """
 
     State = _State
@@ -94,8 +94,8 @@ class TarSource(ShardedSource[dict[str, Any]]):
 
     def count_items(self, file: IO[bytes], url: str) -> int:
         """The samples of the shard, from its member headers (NOTE [ Counting samples ]
-        in ``sharded.py``): seeking from header to header in a local file read as stored
-        (a path, or a remote file's copy in the cache), reading through the members
+        in ``datasets/files/sharded.py``): seeking from header to header in a local file read as
+        stored (a path, or a remote file's copy in the cache), reading through the members
         otherwise (a seek there would be a request, or a decompression)."""
         count, key = 0, None
         seek = get_compression(url, "infer") is None and _has_fileno(file)

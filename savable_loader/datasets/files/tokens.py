@@ -15,7 +15,7 @@ on first use, and the same bytes are read whichever way:
 * a local file as a read-only ``np.memmap`` (the operating system pages in only the
   windows read);
 * with ``cache_dir``, a remote file is downloaded whole into the node's cache (NOTE
-  [ File cache ] in ``cache.py``; a later process, or a restart, finds it there) and
+  [ File cache ] in ``storage/cache/node.py``; a later process, or a restart, finds it there) and
   its cached copy mapped the same way, so a shuffled stream costs no request per window.
   The cached file stays open, its entry held, until the cursor is closed (or
   ``close_cache()``): the cache never evicts a mapped file, so the folder may exceed
@@ -25,7 +25,7 @@ on first use, and the same bytes are read whichever way:
 * otherwise, by one byte-range ``cat_file`` per window.
 
 Opening a file and every range read go through ``read_retrying`` (NOTE [ Retries ] in
-``retry.py``): a transient error is retried, and a retried read returns the same bytes.
+``storage/retry.py``): a transient error is retried, and a retried read returns the same bytes.
 Open maps are dropped when the windows are pickled, and in a forked child, so a worker
 never receives an open file or a copy of a file's data.
 
@@ -36,7 +36,7 @@ the windows at its next ``_PLAN_WINDOWS`` positions, in order of first touch, th
 files not seen there in file order, from the one after the last seen. Each time the
 worker opens a file it has not opened yet, the next ``prefetch`` files of that plan that
 it has not opened are handed to the cache's prefetch threads (NOTE [ Prefetching files ]
-in ``cache.py``). Unshuffled, that is the next files in order; shuffled, the first
+in ``storage/cache/node.py``). Unshuffled, that is the next files in order; shuffled, the first
 windows touch nearly every file at once, and the downloads overlap instead of each first
 touch waiting for its own. The plan is a hint: it changes where bytes come from, never
 which bytes are read.
@@ -89,12 +89,12 @@ class TokenSource(FileAccess, IndexedDataset[np.ndarray]):
             windows of the epoch's order, ``"drop"`` leaves its last ones out, so that
             every rank reads as many windows and yields as many batches.
         retry: How reads are retried after transient storage errors (NOTE [ Retries ]
-            in ``retry.py``); None: ``retry.DEFAULT_POLICY``. Not part of ``config()``.
+            in ``storage/retry.py``); None: ``retry.DEFAULT_POLICY``. Not part of ``config()``.
         storage_options: Passed to fsspec (credentials, endpoint...), for listing and
             sizing the files too; not part of ``config()``.
         cache_dir: A local folder where remote files are downloaded whole and then
             memory-mapped, shared by the processes of a node (NOTE [ Lazy file access ],
-            NOTE [ File cache ] in ``cache.py``); None: one range read per window. Not
+            NOTE [ File cache ] in ``storage/cache/node.py``); None: one range read per window. Not
             part of ``config()``.
         cache_limit: Bytes the cache keeps once its files are closed; None: 10 GiB. A
             larger file is read by range reads, uncached. Needs ``cache_dir``.
@@ -359,7 +359,7 @@ def _expand(
 ) -> list[str]:
     """The files ``urls`` name, globs expanded in order; puts in ``listed`` the signature
     the listing of a glob gave each remote file it matched (NOTE [ Listed signatures ] in
-    ``files.py``)."""
+    ``datasets/files/file_list.py``)."""
     if not urls:
         raise ConfigError("TokenSource needs at least one file, got an empty list")
     files: list[str] = []

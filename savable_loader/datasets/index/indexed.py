@@ -3,8 +3,8 @@
 NOTE [ Indexed order and sharding ]
 Epoch ``e`` visits the indices in the order ``perm_e`` (with ``shuffle``, a bijection of
 ``0..n-1`` keyed by ``(seed, e)`` and computed position by position, NOTE [ Computed
-epoch orders ] in ``permutation.py``; else ``0..n-1``), read cyclically: position ``p``
-of the epoch is index ``perm_e[p % n]``. A state saved before computed orders (no
+epoch orders ] in ``datasets/index/permutation.py``; else ``0..n-1``), read cyclically: position
+``p`` of the epoch is index ``perm_e[p % n]``. A state saved before computed orders (no
 ``"order": 2``) keeps NumPy's stored permutation of ``(seed, e)`` for its run. On ``R``
 ranks a fresh epoch has
 ``ceil(n/R)*R`` positions with ``even="pad"`` (the first indices come again at the end,
@@ -39,7 +39,7 @@ the new ranks and workers exactly as a whole epoch is: element ``k`` of the rema
 list goes to rank ``k % R``, then in batch blocks to workers. A second elastic restore in
 that epoch maps the new streams' prefixes back through the remaining list, so resharding
 composes. The next epoch is laid out as a fresh run on the new layout lays it out.
-None of this builds the epoch (``rest_after`` in ``indexed_rest.py``): the first position
+None of this builds the epoch (``rest_after`` in ``datasets/index/reshard.py``): the first position
 left is the least next position of any saved stream, the consumed ones above it are the
 old ``done`` above it and the items each stream took past it, found by binary search, so
 a reshard costs what its answer holds, not the epoch's length; a worker finds its ``k``-th
@@ -192,7 +192,7 @@ class IndexedDataset(Stage[T]):
 
     def access(self, context: WorkerContext) -> _Access[T] | None:
         """Items by position, ``data[i]`` (NOTE [ Pipelines read by position ] in
-        ``global_view.py``); token windows and table rows read so too, without the
+        ``datasets/global_view.py``); token windows and table rows read so too, without the
         prefetching their cursors do."""
         return _Access(self, context)
 
@@ -217,7 +217,7 @@ class IndexedDataset(Stage[T]):
 
     def checking_cursor(self, context: WorkerContext) -> IndexedCursor[T]:
         """A cursor to restore a state into (NOTE [ States checked at the door ] in
-        ``stage.py``): restoring reads nothing."""
+        ``datasets/protocol/stage.py``): restoring reads nothing."""
         return self.cursor(context)
 
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
@@ -450,7 +450,7 @@ class IndexedCursor(Cursor[T]):
 
     def goes_on_after_error(self) -> bool:
         """Reading ``data[i]`` of a map-style dataset moves past the indices first
-        (NOTE [ Going on after an error ] in ``_runtime.py``); a source that reads
+        (NOTE [ Going on after an error ] in ``_worker/runtime.py``); a source that reads
         otherwise (``TableSource``) retries."""
         return type(self).item is IndexedCursor.item
 
@@ -550,7 +550,8 @@ class IndexedCursor(Cursor[T]):
 
     def indices(self, start: int, stop: int) -> np.ndarray:
         """The dataset indices at positions ``[start, stop)`` of this worker's shard in
-        this epoch, computed (NOTE [ Computed epoch orders ] in ``permutation.py``)."""
+        this epoch, computed (NOTE [ Computed epoch orders ] in
+        ``datasets/index/permutation.py``)."""
         items = len(self.stage.data)
         positions = self.positions(start, stop, self.done) % max(items, 1)
         if not self.stage.shuffled:

@@ -1,5 +1,5 @@
 """An epoch's order read lazily from the sampler, from the generators at the epoch's start
-(NOTE [ Endless samplers ] in ``_sampling.py``)."""
+(NOTE [ Endless samplers ] in ``_main/sampling.py``)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def stateful_inner(index_sampler: Any) -> Any:
 
 class LazyOrder:
     """An epoch's order as the groups the sampler gives from ``start`` on, read as they
-    are needed (NOTE [ Endless samplers ] in ``_sampling.py``).
+    are needed (NOTE [ Endless samplers ] in ``_main/sampling.py``).
 
     Args:
         generator: The loader's ``generator`` argument (None: none).

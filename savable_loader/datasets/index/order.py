@@ -1,6 +1,6 @@
 """Where the positions of an indexed epoch fall over ranks and workers (NOTE [ Indexed
-order and sharding ] and NOTE [ Elastic indexed order ] in ``indexed.py``): arithmetic
-only, O(1) per position or one array operation per epoch."""
+order and sharding ] and NOTE [ Elastic indexed order ] in ``datasets/index/indexed.py``):
+arithmetic only, O(1) per position or one array operation per epoch."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ orders of nearby keys and seeds differ.
 The orders it gives are not those of ``numpy.random.Generator.permutation``, which the
 versions before it stored (``order`` 1 in ``IndexedDataset``'s state); a state records
 which it was saved with, and keeps it (NOTE [ Indexed order and sharding ] in
-``indexed.py``).
+``datasets/index/indexed.py``).
 """
 
 from __future__ import annotations

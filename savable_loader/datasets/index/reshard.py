@@ -1,5 +1,5 @@
 """An indexed source's state, checked, and how it moves to another layout (NOTE [ Elastic
-indexed order ] in ``indexed.py``)."""
+indexed order ] in ``datasets/index/indexed.py``)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ class IndexedStage(Protocol):
 __all__ = ["FRESH_ORDER", "IndexedState", "check_length", "parse_done", "reshard_indexed"]
 
 #: The order of a fresh run: 2, computed (NOTE [ Computed epoch orders ] in
-#: ``permutation.py``); 1, the stored permutation of earlier versions, which their states
-#: keep.
+#: ``datasets/index/permutation.py``); 1, the stored permutation of earlier versions, which their
+#: states keep.
 FRESH_ORDER = 2
 
 
@@ -107,7 +107,7 @@ def reshard_indexed(stage: IndexedStage, plan: ReshardPlan) -> dict[str, Any]:
 
     The answer depends on the epoch's length, ``even``, the old streams and the new
     number of ranks only, not on the new stream, so it is computed once per restore
-    (NOTE [ One answer per restore ] in ``elastic.py``).
+    (NOTE [ One answer per restore ] in ``datasets/protocol/elastic.py``).
     """
     return copy.deepcopy(plan.once(("indexed", id(stage)), lambda: _reshard(stage, plan)))
 

@@ -3,7 +3,7 @@
 NOTE [ Samplers are sources ]
 A loader given ``sampler=``, ``batch_sampler=`` or ``generator=`` over a map-style
 dataset reads it as torch's ``DataLoader`` does: the main process draws the epoch's order
-from the sampler (``_sampling.py``), and the epoch's index groups (one per batch, or one
+from the sampler (``_main/sampling.py``), and the epoch's index groups (one per batch, or one
 index per item without automatic batching) are the order of this source. Group ``g``
 goes to worker ``g % W``, as torch hands index batches to its workers round-robin, and
 the loader takes the workers' batches round-robin, so the stream is torch's. The order
@@ -28,7 +28,7 @@ The cursor's state is the epoch and the number of this worker's groups already r
 restoring it moves by arithmetic. Skipping fetches the skipped groups' items (without
 collating them) so that draws a dataset makes from the global generators stay exact;
 a restore skips only what the worker produced after its last checkpoint (NOTE
-[ Checkpoint policy ] in ``_ring.py``), never the sampler's order through the data.
+[ Checkpoint policy ] in ``_worker/ring.py``), never the sampler's order through the data.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class EpochOrder:
             offsets[g + 1]]``; None: every index is a group of its own (an item).
         kind: The type of every index in an int64 ``indices``.
         lazy: The sampler to read the epoch's groups from as they are needed, instead
-            of ``indices`` (NOTE [ Endless samplers ] in ``_sampling.py``); None: the
+            of ``indices`` (NOTE [ Endless samplers ] in ``_main/sampling.py``); None: the
             groups are in ``indices``.
     """
 
@@ -94,7 +94,7 @@ class EpochOrder:
 
         Returns:
             The order of ``epoch``, or None when the sampler gave more (NOTE [ Endless
-            samplers ] in ``_sampling.py``); and the first groups read.
+            samplers ] in ``_main/sampling.py``); and the first groups read.
         """
         flat, (max_groups, max_indices) = _Indices(), bound
         if not batched:

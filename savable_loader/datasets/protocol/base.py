@@ -10,7 +10,7 @@ identifies the pipeline (it feeds the fingerprint a restore checks). Two optiona
 ``setup(context)`` tells the dataset its rank and worker before it is restored, and
 ``skip(n)`` passes ``n`` items faster than iterating and returns how many it passed
 (fewer when the epoch ended: the dataset then stands at its next epoch, NOTE [ A
-dataset's skip ] in ``adapt.py``); ``skip`` must leave the dataset exactly as iterating
+dataset's skip ] in ``datasets/adapt.py``); ``skip`` must leave the dataset exactly as iterating
 would have, including any draws its items make from the global generators, or not be
 defined at all.
 """

@@ -7,8 +7,8 @@ through a :class:`Cursor`, built with ``stage.cursor(context)`` for one rank and
 which holds the position. A pipeline is a tree of stages, and reading it a tree of
 cursors: a transform's cursor reads its parents' cursors. Everything the loader is given
 (your ``SavableDataset``, a Stateful object, a map-style dataset, a building block) becomes
-such a tree through one entry point (``as_stage`` in ``adapt.py``), and batching is its
-root (``Batch`` in ``batch.py``).
+such a tree through one entry point (``as_stage`` in ``datasets/adapt.py``), and batching is its
+root (``Batch`` in ``datasets/transforms/batch.py``).
 
 NOTE [ The cursor contract ]
 The base class owns the public methods; a subclass fills in hooks.
@@ -35,10 +35,10 @@ The base class owns the public methods; a subclass fills in hooks.
   array) overrides it.
 - ``take_batch(n)`` and ``skip_batches(batches, size)`` are what the loader's batching
   reads and skips through: ``take`` and ``skip`` unless the stage reads a whole batch
-  at once (NOTE [ A batch read at once ] in ``indexed.py``).
+  at once (NOTE [ A batch read at once ] in ``datasets/index/indexed.py``).
 - ``goes_on_after_error()`` says whether, when ``next()`` raised, the cursor already
   stands past the failed item, so that reading can go on with the next one as torch's
-  ``DataLoader`` does (NOTE [ Going on after an error ] in ``_runtime.py``). False by
+  ``DataLoader`` does (NOTE [ Going on after an error ] in ``_worker/runtime.py``). False by
   default: a raise leaves the position where it was, and the loader retries the item.
 - ``end_epoch()`` drops the rest of the epoch and stands at the start of the next one;
   the default reads the rest, sources and most transforms do it without reading.
@@ -165,7 +165,8 @@ class Cursor(Iterator[T], abc.ABC):
 
     def take_batch(self, n: int) -> list[T]:
         """Reads up to ``n`` items as one batch of the loader's; :meth:`take` unless the
-        stage reads a batch at once (NOTE [ A batch read at once ] in ``indexed.py``)."""
+        stage reads a batch at once (NOTE [ A batch read at once ] in
+        ``datasets/index/indexed.py``)."""
         return self.take(n)
 
     def skip_batches(self, batches: int, size: int) -> int:
@@ -308,7 +309,7 @@ class TransformCursor(Cursor[T]):
 class AnyState(Cursor[Any]):
     """A parent that takes any state and is never read: what a stage's checking cursor
     reads from, so that restoring it checks that stage's own part of a state alone (NOTE
-    [ States checked at the door ] in ``stage.py``).
+    [ States checked at the door ] in ``datasets/protocol/stage.py``).
 
     Args:
         context: The rank and worker the checking cursor reads for.

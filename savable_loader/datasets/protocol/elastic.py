@@ -9,9 +9,9 @@ then asks the pipeline's outermost stage for the state of each *new* stream with
 state, and the new stream's context. A transform answers from its parent's answer
 (``plan.parents()``) plus what it adds; a source works out which of the epoch's items
 the old streams consumed and lays the rest out over the new streams
-(NOTE [ Elastic indexed order ] in ``indexed.py``, NOTE [ Elastic file order ] in
-``file_rest.py``). Every new stream computes its answer alone from the same plan, so the
-streams agree without talking to each other.
+(NOTE [ Elastic indexed order ] in ``datasets/index/indexed.py``, NOTE [ Elastic file order ] in
+``datasets/files/reshard.py``). Every new stream computes its answer alone from the same plan, so
+the streams agree without talking to each other.
 
 NOTE [ One answer per restore ]
 What a stage works out from the old streams (its parent's states, the positions they

@@ -1,10 +1,10 @@
 """The stage: what a pipeline is, apart from where a reading of it stands.
 
-A :class:`Stage` is a recipe (NOTE [ Stages and cursors ] in ``cursor.py``): it builds
-cursors, says what identifies it (``config()``) and how it reads (``str()``), and, when
+A :class:`Stage` is a recipe (NOTE [ Stages and cursors ] in ``datasets/protocol/cursor.py``): it
+builds cursors, says what identifies it (``config()``) and how it reads (``str()``), and, when
 it can, how a saved position moves to another number of workers or ranks
-(``reshard``, NOTE [ Elastic resume ] in ``elastic.py``). It holds no position, so two
-loaders over one stage never disturb each other.
+(``reshard``, NOTE [ Elastic resume ] in ``datasets/protocol/elastic.py``). It holds no position, so
+two loaders over one stage never disturb each other.
 
 NOTE [ Fluent construction ]
 ``stage.map(fn)``, ``.filter(...)``, ``.shuffle(...)``, ``.limit(n)``, ``.repeat()`` and
@@ -16,7 +16,7 @@ package ``savable_loader.datasets`` does for all of them.
 NOTE [ States checked at the door ]
 A restore checks every worker's pipeline state against the stage tree in the main
 process, before any worker starts (``check_state``, called by ``check_compatible`` in
-``_compat.py``), so that a malformed state is refused by the restore and not at the
+``_resume/compat.py``), so that a malformed state is refused by the restore and not at the
 first ``next()``, nor worse read as some other position. The tree is walked from the
 root (the loader's ``Batch``) along the state: each of the library's stages builds a
 cursor of itself alone over parents that take any state (``checking_cursor``, reading
@@ -24,7 +24,7 @@ from :class:`~savable_loader.datasets.protocol.cursor.AnyState`) and restores it
 so the check is the very restore a worker makes (the structure, the stage's ``State``
 model, what ``restore_own`` refuses), and nothing is read: no data, none of the user's
 code. A user's dataset holds its own position (NOTE [ A dataset is its own position ] in
-``adapt.py``), so its part is opaque and left to its own ``restore_state`` in the worker.
+``datasets/adapt.py``), so its part is opaque and left to its own ``restore_state`` in the worker.
 Where a library stage's position must be, a None is refused: such a stage never saves
 None, and its cursor would read None as the start of epoch 0, so the worker would start
 the epoch over while the loader counts the saved position. (A worker that never started
@@ -85,7 +85,8 @@ class Stage(IterableDataset[T], abc.ABC):
     """
 
     #: Why this stage's position cannot move to another layout (NOTE [ Elastic resume ]
-    #: in ``elastic.py``), and what to change; stages that can move override reshard().
+    #: in ``datasets/protocol/elastic.py``), and what to change; stages that can move override
+    #: reshard().
     elastic_reason: ClassVar[str] = (
         "its state describes the worker that saved it and cannot be split or merged over "
         "other workers"
@@ -95,7 +96,7 @@ class Stage(IterableDataset[T], abc.ABC):
         "approximate=True to restart the interrupted epoch on the new layout"
     )
     #: A source whose items have a key in the global stream, or a transform that hands on
-    #: its parents' items' keys (NOTE [ The cursor contract ] in ``cursor.py``).
+    #: its parents' items' keys (NOTE [ The cursor contract ] in ``datasets/protocol/cursor.py``).
     keyed: ClassVar[bool] = False
 
     @abc.abstractmethod
@@ -129,7 +130,7 @@ class Stage(IterableDataset[T], abc.ABC):
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         """At most how many items a cursor for ``context`` restored to ``state`` yields
         before its epoch ends, worked out without reading any data (NOTE [ Checking a
-        replay ] in ``_compat.py``); None when this stage cannot tell.
+        replay ] in ``_resume/compat.py``); None when this stage cannot tell.
 
         Raises:
             StateError: ``state`` is malformed.
@@ -210,7 +211,7 @@ class Stage(IterableDataset[T], abc.ABC):
 
     def access(self, context: WorkerContext) -> Any:
         """This stage's items by position (an ``Access``, NOTE [ Pipelines read by
-        position ] in ``global_view.py``) for ``context``'s process, or None (the
+        position ] in ``datasets/global_view.py``) for ``context``'s process, or None (the
         default) when it reads only as a stream."""
         return None
 
@@ -218,7 +219,7 @@ class Stage(IterableDataset[T], abc.ABC):
         """Whether this stage, read stream by stream, gives other global batches on
         another layout (a window shuffle, a blend, a limit, a repeat of counted passes):
         the loader then reads the pipeline by position when every stage of it has an
-        ``access`` (NOTE [ Pipelines read by position ] in ``global_view.py``)."""
+        ``access`` (NOTE [ Pipelines read by position ] in ``datasets/global_view.py``)."""
         return any(child.reads_by_layout() for child in self.children)
 
     def needs_positions(self) -> str | None:
@@ -239,7 +240,8 @@ class Stage(IterableDataset[T], abc.ABC):
 
     def unkeyed(self) -> str | None:
         """The description of a stage whose items have no key in the global stream (NOTE
-        [ The cursor contract ] in ``cursor.py``), or None when every item has one."""
+        [ The cursor contract ] in ``datasets/protocol/cursor.py``), or None when every item has
+        one."""
         if not self.keyed:
             return self.describe()
         for child in self.children:

@@ -96,7 +96,7 @@ class Batch(Transform[Any]):
 
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         """Batches left: those the source's items left fill (NOTE [ Checking a replay ]
-        in ``_compat.py``)."""
+        in ``_resume/compat.py``)."""
         if not isinstance(state, dict) or "parent" not in state:
             return None
         if state.get("exhausted") is True:

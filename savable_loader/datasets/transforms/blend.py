@@ -25,9 +25,10 @@ NOTE [ Blend epochs ]
 
 ``end_epoch()`` moves every source not yet exhausted to its next epoch, so the next Blend
 epoch starts every source afresh. With ``"never"`` it leaves everything where it stands,
-as an endless ``Repeat`` does (NOTE [ Ending an endless epoch ] in ``repeat.py``):
-dropping the sources' epochs would make ``.limit(k)`` lose their tails every ``k`` items,
-whereas this way ``.limit(k)`` cuts one endless stream into epochs of ``k`` items.
+as an endless ``Repeat`` does (NOTE [ Ending an endless epoch ] in
+``datasets/transforms/repeat.py``): dropping the sources' epochs would make ``.limit(k)`` lose their
+tails every ``k`` items, whereas this way ``.limit(k)`` cuts one endless stream into epochs of ``k``
+items.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class Blend(Stage[T]):
 
     def access(self, context: WorkerContext) -> Mixed[T] | EndlessMixed[T] | None:
         """Items by position when every source has them and the epoch ends (NOTE
-        [ Blend by position ] in ``blend_positions.py``)."""
+        [ Blend by position ] in ``datasets/transforms/blend_positions.py``)."""
         return self.access_weighted(context, self.weights)
 
     def access_weighted(
@@ -168,7 +169,7 @@ class Blend(Stage[T]):
 
     def checking_cursor(self, context: WorkerContext) -> Cursor[T]:
         """A Blend over sources that take any state (NOTE [ States checked at the door ]
-        in ``stage.py``)."""
+        in ``datasets/protocol/stage.py``)."""
         return _BlendCursor(self, context, [AnyState(context) for _ in self.sources])
 
 
@@ -214,7 +215,8 @@ class _Sources(Generic[T]):
 
 
 class Mixed(_Sources[T]):
-    """A blend's items by position (NOTE [ Blend by position ] in ``blend_positions.py``)."""
+    """A blend's items by position (NOTE [ Blend by position ] in
+    ``datasets/transforms/blend_positions.py``)."""
 
     def __init__(self, seed: int, layout: list[Segment], parents: list[Any]) -> None:
         self.order = BlendOrder(seed, layout)
@@ -234,7 +236,7 @@ class Mixed(_Sources[T]):
 
 class EndlessMixed(_Sources[T]):
     """An endless blend's items by position (NOTE [ Endless blends by position ] in
-    ``blend_positions.py``): one epoch, 0, that never ends."""
+    ``datasets/transforms/blend_positions.py``): one epoch, 0, that never ends."""
 
     def __init__(self, seed: int, weights: list[float], parents: list[Any]) -> None:
         self.counts = block_counts(weights)

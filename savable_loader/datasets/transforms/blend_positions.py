@@ -1,7 +1,7 @@
 """Which source serves each position of a ``Blend`` epoch read by position.
 
 NOTE [ Blend by position ]
-Read by position (NOTE [ Pipelines read by position ] in ``global_view.py``), a Blend's
+Read by position (NOTE [ Pipelines read by position ] in ``datasets/global_view.py``), a Blend's
 epoch is laid out before it is read, as a function of the seed, the epoch, the sources'
 lengths and the weights alone; no rank or worker enters it.
 
@@ -29,8 +29,8 @@ that source's same epoch, read through its own access; the key of a position's i
 
 NOTE [ Endless blends by position ]
 A blend with ``stop="never"`` has one endless epoch (under a ``Limit``, which cuts it
-into epochs of ``n`` positions, NOTE [ Limit by position ] in ``limit.py``). It is laid
-out in blocks of :data:`BLOCK` positions, each holding the same number of items of every
+into epochs of ``n`` positions, NOTE [ Limit by position ] in ``datasets/transforms/limit.py``). It
+is laid out in blocks of :data:`BLOCK` positions, each holding the same number of items of every
 source, the weights' shares of the block to one item (largest remainders, ties to the
 lower index), in the order of a split tree keyed by the block's index. The ``k``-th item
 drawn from a source of ``L`` items per epoch is its position ``k mod L`` of its epoch

@@ -10,12 +10,12 @@ batching, so with ``W`` workers a rank's epoch has up to ``n * max(W, 1)`` items
 position, an epoch has ``n`` items in all (NOTE [ Limit by position ]).
 
 Over ``Repeat(source)`` (endless), ``end_epoch()`` leaves the endless stream where it
-stands (NOTE [ Ending an endless epoch ] in ``repeat.py``), so ``.repeat().limit(k)``
-cuts one endless stream into consecutive epochs of ``k`` items.
+stands (NOTE [ Ending an endless epoch ] in ``datasets/transforms/repeat.py``), so
+``.repeat().limit(k)`` cuts one endless stream into consecutive epochs of ``k`` items.
 
 NOTE [ Limit by position ]
 When the loader reads the pipeline by position (NOTE [ Pipelines read by position ] in
-``global_view.py``: every stage below the Limit can produce the item at any position of
+``datasets/global_view.py``: every stage below the Limit can produce the item at any position of
 an epoch, as an ``IndexedDataset``, a map-style dataset, a token or table source, a map,
 a window shuffle, a counted repeat or a blend of such do), a limited epoch is the first
 ``n`` positions of the source's epoch, shared out over ranks and workers as an
@@ -26,8 +26,8 @@ epochs ] says.
 
 NOTE [ Skipping a limit ]
 ``skip(k)`` passes ``m = min(k, n - count)`` items through the parent's ``skip``, which
-says how many it passed (NOTE [ The cursor contract ] in ``cursor.py``). Fewer than
-``m`` means the parent's epoch ended, and so did the limited one. Otherwise, if ``k`` is
+says how many it passed (NOTE [ The cursor contract ] in ``datasets/protocol/cursor.py``). Fewer
+than ``m`` means the parent's epoch ended, and so did the limited one. Otherwise, if ``k`` is
 more than ``m``, reading would have reached the limit and ended the epoch, so the skip
 ends it too. A user's dataset whose ``skip`` cannot tell where its epoch ended reports
 all ``m``: ``count`` may then be larger than reading would make it, but the stream is the
@@ -35,8 +35,8 @@ same, since from the end of the parent's epoch both paths move the parent to its
 epoch, reset ``count`` and end the limited epoch.
 
 NOTE [ Elastic limit ]
-On a restore onto another layout (NOTE [ Elastic resume ] in ``elastic.py``), what the
-saved streams still had to yield in the resumed epoch (``n - count`` for each stream
+On a restore onto another layout (NOTE [ Elastic resume ] in ``datasets/protocol/elastic.py``), what
+the saved streams still had to yield in the resumed epoch (``n - count`` for each stream
 still in it, 0 for a stream that finished it) is summed and split over the new streams
 as evenly as possible, lower shard indices taking the extra items; each new stream keeps
 its share as ``quota``, its limit for the rest of that epoch. The items themselves come
@@ -44,7 +44,7 @@ from the parent's resharded rest of the epoch, so nothing consumed before the sa
 again, and the resumed epoch yields as many items as the saved layout had left (fewer
 only if the parent runs out first). The next epoch has ``n`` per stream again. When no
 saved stream consumed anything of the resumed epoch (a save between epochs), the loader
-starts the epoch as a fresh run does instead, without a quota (``_elastic.py``).
+starts the epoch as a fresh run does instead, without a quota (``_resume/elastic.py``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ restored onto another layout. An item whose source gives no key (your own iterab
 dataset, a Stateful object) gets a generator keyed by where it stands in this stream:
 ``(seed, rank, worker, epoch, position)``, ``position`` counting this stage's items in
 the epoch (plus, for the rest of an epoch resumed on another layout, a salt drawn from
-the saved states: NOTE [ Elastic resume ] in ``elastic.py``). Without a seed, ``fn(item)``
-may still draw from the global ``random``, ``numpy.random`` and torch generators; the
+the saved states: NOTE [ Elastic resume ] in ``datasets/protocol/elastic.py``). Without a seed,
+``fn(item)`` may still draw from the global ``random``, ``numpy.random`` and torch generators; the
 loader captures those in its checkpoints, or seeds them per item (``seed_each_item``).
 """
 
@@ -96,7 +96,7 @@ class Map(Transform[U]):
 
     def access(self, context: WorkerContext) -> _Access[U] | None:
         """Items by position when the source has them (NOTE [ Pipelines read by
-        position ] in ``global_view.py``), with the same generators as a cursor's."""
+        position ] in ``datasets/global_view.py``), with the same generators as a cursor's."""
         parent = self.source.access(context)
         return None if parent is None else _Access(self, parent, context)
 

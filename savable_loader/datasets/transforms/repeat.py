@@ -20,8 +20,8 @@ is therefore one endless stream cut into epochs of ``k`` items.
 
 NOTE [ Skipping a repeat ]
 ``skip(k)`` passes items through the source's ``skip``, which says how many it passed
-(NOTE [ The cursor contract ] in ``cursor.py``). Fewer than asked means the source's
-epoch ended and the source stands at its next one, exactly as after the StopIteration
+(NOTE [ The cursor contract ] in ``datasets/protocol/cursor.py``). Fewer than asked means the
+source's epoch ended and the source stands at its next one, exactly as after the StopIteration
 that reading meets there: the pass is counted as reading counts it, and the skip goes on
 in the next pass, until ``k`` items are passed or the last pass ends (then the Repeat
 epoch has ended too, as reading past its last item would end it).
@@ -30,7 +30,7 @@ NOTE [ Repeat by position ]
 Read as a stream, a worker's passes follow one another in that worker: the last batch of
 a pass takes the first items of the next pass of that worker's shard, so which items
 share a global step depends on the layout. When the source can be read by position
-(NOTE [ Pipelines read by position ] in ``global_view.py``) and ``times`` is set, epoch
+(NOTE [ Pipelines read by position ] in ``datasets/global_view.py``) and ``times`` is set, epoch
 ``e`` of the repeat is the source's epochs ``e * times`` to ``e * times + times - 1``,
 their positions one after the other; the loader reads the whole pipeline by position,
 and every layout gets the same global batches.
@@ -125,7 +125,7 @@ class _Rounds(Generic[T]):
         self.times, self.parent = times, parent
 
     def length(self) -> int | None:
-        """None: endless (NOTE [ Endless streams by position ] in ``global_view.py``)."""
+        """None: endless (NOTE [ Endless streams by position ] in ``datasets/global_view.py``)."""
         size = self.parent.length()
         return None if size is None or self.times is None else self.times * int(size)
 

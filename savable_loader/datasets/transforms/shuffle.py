@@ -10,7 +10,7 @@ mixes further but must save its buffered samples or drop them on resume).
 
 NOTE [ Window shuffle by position ]
 When the whole pipeline can be read by position (NOTE [ Pipelines read by position ] in
-``global_view.py``), the windows are over the epoch's positions instead of a stream's
+``datasets/global_view.py``), the windows are over the epoch's positions instead of a stream's
 items: window ``w`` holds positions ``[w B, (w + 1) B)`` of the source's epoch (``B`` the
 buffer size, the last window shorter), emitted in a permutation drawn from ``(seed,
 epoch, w)``. Nothing depends on which rank or worker reads a position, so every layout
@@ -144,7 +144,7 @@ class Shuffle(Transform[T]):
 
     def items_left(self, state: Any, context: WorkerContext) -> int | None:
         """What the parent has left from the restore point, less the items of its window
-        already emitted (NOTE [ Checking a replay ] in ``_compat.py``): every item the
+        already emitted (NOTE [ Checking a replay ] in ``_resume/compat.py``): every item the
         parent yields from there is emitted once, in its window."""
         if not isinstance(state, dict) or "parent" not in state:
             return None

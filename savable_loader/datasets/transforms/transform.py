@@ -36,8 +36,8 @@ class Transform(Stage[T]):
     def cursor_over(self, parent: Cursor[Any], context: WorkerContext) -> Cursor[T]:
         """Returns this stage's cursor reading ``parent``: over the source's cursor for
         :meth:`cursor`, over :class:`~savable_loader.datasets.protocol.cursor.AnyState` to check a
-        saved state (NOTE [ States checked at the door ] in ``stage.py``). A transform
-        implements it, or overrides :meth:`cursor` instead (its part of a state is then
+        saved state (NOTE [ States checked at the door ] in ``datasets/protocol/stage.py``). A
+        transform implements it, or overrides :meth:`cursor` instead (its part of a state is then
         left to its cursor in the worker)."""
         raise NotImplementedError(
             f"{type(self).__name__} implements neither cursor() nor cursor_over()"
@@ -45,7 +45,8 @@ class Transform(Stage[T]):
 
     def checking_cursor(self, context: WorkerContext) -> Cursor[T] | None:
         """This stage's cursor over a parent that takes any state, when it is built by
-        :meth:`cursor_over` (NOTE [ States checked at the door ] in ``stage.py``)."""
+        :meth:`cursor_over` (NOTE [ States checked at the door ] in
+        ``datasets/protocol/stage.py``)."""
         own = type(self)
         if own.cursor is not Transform.cursor or own.cursor_over is Transform.cursor_over:
             return None

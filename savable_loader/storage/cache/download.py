@@ -2,7 +2,7 @@
 
 NOTE [ Reading a download ]
 A file source's reader that opens a remote file the cache does not hold downloads it
-itself (NOTE [ File cache ] in ``cache.py``); a shard of hundreds of MB would then hold
+itself (NOTE [ File cache ] in ``storage/cache/node.py``); a shard of hundreds of MB would then hold
 its first sample back until its last byte arrived. For a file of at least
 :data:`STREAM_MIN_BYTES` opened by a stream's reader (``stream=True``: the tar and JSON
 lines cursors, which read from the start or one offset on), the download runs in a
@@ -15,9 +15,9 @@ thread of the reader's process instead, and the reader reads the temp file as it
   signature's size: a longer or shorter answer means the file changed since its
   signature was taken, and fails the download (:class:`Changed`, a ``ConnectionError``,
   which the reader's retry answers by opening the file anew). On S3 so does a range of
-  another ETag than the signature's (``range_reader`` in ``cache_probe.py``), not retried.
+  another ETag than the signature's (``range_reader`` in ``storage/cache/probe.py``), not retried.
 * Each range's request is retried by the thread under the source's retry policy (NOTE
-  [ Retries ] in ``retry.py``), so a fault costs one range, not the bytes before it. When
+  [ Retries ] in ``storage/retry.py``), so a fault costs one range, not the bytes before it. When
   a range's attempts are spent, the download fails with a ``StorageError`` that the
   reader's own retry does not take up again (a second round of attempts would square
   their number).
@@ -36,7 +36,7 @@ thread of the reader's process instead, and the reader reads the temp file as it
 Every download of a cache object, streamed or whole, is tracked by its :class:`InFlight`:
 the cache's close cancels its prefetch threads' downloads, and the process's exit all of
 them, removing the temp files of those it cannot wait for (NOTE [ File cache ] in
-``cache.py``, "Writes are atomic").
+``storage/cache/node.py``, "Writes are atomic").
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Download:
     """A file being written to ``temp`` in order, up to ``size`` bytes, by one thread.
 
     Creates ``temp`` (a new file, never through a link: NOTE [ A shared folder ] in
-    ``cache_entries.py``) and opens it for the reader (``reader_fd``, which the reader's
+    ``storage/cache/entries.py``) and opens it for the reader (``reader_fd``, which the reader's
     :class:`GrowingFile` takes), before the thread can rename it away.
     """
 
@@ -208,10 +208,10 @@ def fetch_into(
     [ Reading a download ]), each range's request run by ``retried`` (the source's retry
     policy), telling ``counted`` and then ``download`` as the bytes land (so that a
     reader who read them finds them counted). ``first``: the file's first bytes, fetched
-    and counted already (NOTE [ Probing a download ] in ``cache_probe.py``); the ranges
+    and counted already (NOTE [ Probing a download ] in ``storage/cache/probe.py``); the ranges
     start after them. ``read(start, end)``: a range's bytes (default ``fs.cat_file``),
     None when the answer is of another version of the file. Returns the bytes' CRC-32
-    (NOTE [ Checked entries ] in ``cache_entries.py``).
+    (NOTE [ Checked entries ] in ``storage/cache/entries.py``).
 
     Raises:
         Changed: The file's length is not ``download.size``.

@@ -1,5 +1,5 @@
 """A cache entry on disk: which URLs have one, its files' names, its signature and validity,
-its checksum, and its atomic commit (NOTE [ File cache ] in ``cache.py``: "An entry",
+its checksum, and its atomic commit (NOTE [ File cache ] in ``storage/cache/node.py``: "An entry",
 "Writes are atomic").
 
 A damaged sidecar (not JSON, not an object) makes its entry invalid, so the file is

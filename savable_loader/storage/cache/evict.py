@@ -1,7 +1,7 @@
 """Keeping a cache folder under its limit: eviction and the recorded usage (NOTE [ File
-cache ] in ``cache.py``, its "Eviction" point). Links and other files the cache did not
+cache ] in ``storage/cache/node.py``, its "Eviction" point). Links and other files the cache did not
 make are neither counted, nor kept, nor removed; a link in place of ``.usage``, ``.over``
-or a lock is a StorageError naming it (NOTE [ A shared folder ] in ``cache_entries.py``)."""
+or a lock is a StorageError naming it (NOTE [ A shared folder ] in ``storage/cache/entries.py``)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def flocked(path: Path, mode: int) -> Iterator[int]:
     """``path`` (created if missing) locked with ``flock`` in ``mode`` while in the block.
 
     Raises:
-        OSError: ``linked`` (``cache_entries.py``) for a link at ``path``.
+        OSError: ``linked`` (``storage/cache/entries.py``) for a link at ``path``.
     """
     fd = open_fd(path, os.O_RDONLY | os.O_CREAT)
     try:
@@ -78,7 +78,7 @@ def evict(directory: Path, limit: int) -> None:
 def evict_after_close(directory: Path, limit: int) -> None:
     """:func:`evict`, as a reader's close runs it: an error of the folder is logged at
     WARNING, naming it, instead of failing the close of a file read in full (a download
-    and an explicit eviction raise it; ``folder_error`` in ``cache_entries.py``)."""
+    and an explicit eviction raise it; ``folder_error`` in ``storage/cache/entries.py``)."""
     try:
         evict(directory, limit)
     except OSError as exc:
@@ -90,7 +90,7 @@ def evict_locked(directory: Path, limit: int) -> None:
     temp files an hour old.
 
     Raises:
-        OSError: ``linked`` (``cache_entries.py``) for a link at ``.usage`` or ``.over``.
+        OSError: ``linked`` (``storage/cache/entries.py``) for a link at ``.usage`` or ``.over``.
     """
     refuse_link(directory / ".usage")
     refuse_link(directory / ".over")
@@ -121,7 +121,7 @@ def evict_locked(directory: Path, limit: int) -> None:
 
 def _remove(data: Path) -> bool:
     """Removes the entry of ``data`` unless someone holds it (its ``.lock``) or a file
-    of it is a link (never touched: NOTE [ A shared folder ] in ``cache_entries.py``)."""
+    of it is a link (never touched: NOTE [ A shared folder ] in ``storage/cache/entries.py``)."""
     try:
         refuse_link(data.with_suffix(".json"))
         fd = open_fd(data.with_suffix(".lock"), os.O_RDONLY | os.O_CREAT)

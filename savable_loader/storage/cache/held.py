@@ -22,7 +22,7 @@ __all__ = ["HeldFile", "HeldLocks", "decompressed"]
 
 class HeldLocks:
     """The ``flock`` locks by which one cache object holds entries (NOTE [ File cache ] in
-    ``cache.py``, "Locks"): their file descriptors, which a forked child lets go."""
+    ``storage/cache/node.py``, "Locks"): their file descriptors, which a forked child lets go."""
 
     def __init__(self) -> None:
         self._fds: set[int] = set()
@@ -30,7 +30,7 @@ class HeldLocks:
 
     def take(self, path: Path, mode: int) -> int:
         """A lock on ``path`` (created if missing, never through a link: NOTE [ A shared
-        folder ] in ``cache_entries.py``) in ``mode`` (``fcntl.LOCK_SH`` or ``LOCK_EX``),
+        folder ] in ``storage/cache/entries.py``) in ``mode`` (``fcntl.LOCK_SH`` or ``LOCK_EX``),
         waited for; its fd, held until :meth:`drop`."""
         fd = open_fd(path, os.O_RDONLY | os.O_CREAT)
         try:

@@ -13,15 +13,15 @@ its one writer.
   equal what ``info()`` says now; a later open, in this process or another, after a restart
   too, reads it without downloading. A changed remote file is downloaded again. An open
   of a URL that has no sidecar takes the signature from the download's first request
-  instead (NOTE [ Probing a download ] in ``cache_probe.py``). A caller
-  that knows the signature from a listing (NOTE [ Listing folders ] in ``listing.py``,
-  NOTE [ Listed signatures ] in ``files.py``) passes it instead of asking ``info()``; if
-  the download's size then differs from it, ``info()`` is asked and the file downloaded
-  again.
+  instead (NOTE [ Probing a download ] in ``storage/cache/probe.py``). A caller
+  that knows the signature from a listing (NOTE [ Listing folders ] in ``storage/listing.py``,
+  NOTE [ Listed signatures ] in ``datasets/files/file_list.py``) passes it instead of asking
+  ``info()``; if the download's size then differs from it, ``info()`` is asked and the file
+  downloaded again.
 * Writes are atomic: the bytes go to a temp file in the same folder, are fsynced and renamed
   over ``<key>.data``; the sidecar is removed before and written (temp file, rename) after, so a
   sidecar never describes a partial file; it records a checksum of the bytes (NOTE [ Checked
-  entries ] in ``cache_entries.py``; no link in the folder is followed: NOTE [ A shared
+  entries ] in ``storage/cache/entries.py``; no link in the folder is followed: NOTE [ A shared
   folder ] there). A process's exit cancels its downloads and removes their temp files; one
   killed midway leaves a ``.tmp-*`` file, removed by a later eviction once an hour old.
 * Locks: a reader holds ``.lock`` shared from before it checks the entry until its file is
@@ -44,16 +44,17 @@ its one writer.
 * Files are opened from the cache as local files and decompressed by the URL's extension, as
   ``compression="infer"`` does for the remote file.
 * A stream's reader that downloads a large file itself reads it as it arrives (NOTE [ Reading
-  a download ] in ``cache_stream.py``); eviction and the usage record are ``cache_evict.py``'s.
+  a download ] in ``storage/cache/download.py``); eviction and the usage record are
+  ``storage/cache/evict.py``'s.
 
 NOTE [ Prefetching files ]
 ``prefetch`` threads per process download the next files of a stream into the cache while the
 current one is read (``ShardCursor.upcoming`` and NOTE [ Prefetching token files ] in
-``tokens.py`` name them). They only fill the cache: what is read, and from where, does not
-depend on them. Their errors are logged at DEBUG and dropped; the reader's own open downloads,
-retries and raises as without them. An entry a prefetch validated is held, and opened without
-asking ``info()`` again (at most ``prefetch`` per process: the oldest, never opened, is let go).
-The threads are daemons, exit after a second idle, stop at :meth:`FileCache.close` and at the
+``datasets/files/tokens.py`` name them). They only fill the cache: what is read, and from where,
+does not depend on them. Their errors are logged at DEBUG and dropped; the reader's own open
+downloads, retries and raises as without them. An entry a prefetch validated is held, and opened
+without asking ``info()`` again (at most ``prefetch`` per process: the oldest, never opened, is let
+go). The threads are daemons, exit after a second idle, stop at :meth:`FileCache.close` and at the
 process's exit (cancelling their downloads; the entries they held are evicted as at a reader's
 close), and are rebuilt when needed. A forked child (a DataLoader worker) closes its copies of
 the locks its parent held, so that it keeps no entry from eviction that it does not use.
@@ -185,7 +186,7 @@ class FileCache:
         from a listing (:func:`signature_of`), used instead of asking ``info()``, which is
         asked after all if the download disagrees with it (NOTE [ File cache ]).
         ``stream``: a download this open makes is read as it arrives (NOTE [ Reading a
-        download ] in ``cache_stream.py``), its ranges retried under ``retry``.
+        download ] in ``storage/cache/download.py``), its ranges retried under ``retry``.
 
         Raises:
             Exception: What ``fs`` raised (the caller makes it a StorageError, retried).
@@ -235,7 +236,7 @@ class FileCache:
         """``url``'s signature, and its first bytes when no entry of it exists and no
         prefetch thread of this process was asked for it: then the request that takes
         the signature fetches them too where ``fs`` can (NOTE [ Probing a download ] in
-        ``cache_probe.py``); they count as downloaded."""
+        ``storage/cache/probe.py``); they count as downloaded."""
         with self._mutex:
             prefetching = url in self._wanted  # its download is under way: wait for it
         if not prefetching and not os.path.lexists(self.path(url, ".json")):
@@ -276,7 +277,7 @@ class FileCache:
         first: bytes | None = None,
     ) -> tuple[int, bool, Download | None]:
         """A shared lock on a valid, intact entry of ``url`` (its fd; NOTE [ Checked entries ]
-        in ``cache_entries.py``), whether this call downloaded it (``prefetch``: for a
+        in ``storage/cache/entries.py``), whether this call downloaded it (``prefetch``: for a
         prefetch thread), and with ``stream``, the download still running for a large file
         (NOTE [ Reading a download ]). The shared lock is taken first and kept, so no eviction
         removes the entry between its download and its use. ``retry``: the policy of a

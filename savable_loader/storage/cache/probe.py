@@ -2,8 +2,8 @@
 
 NOTE [ Probing a download ]
 The cache checks an entry against the remote file's signature (size, ETag or mtime: NOTE
-[ File cache ] in ``cache.py``), which ``info()`` asks of the store: on S3 a HEAD request.
-When no entry of the file exists, the open is a download, and the HEAD only delays it by
+[ File cache ] in ``storage/cache/node.py``), which ``info()`` asks of the store: on S3 a HEAD
+request. When no entry of the file exists, the open is a download, and the HEAD only delays it by
 a round trip: a table of small files paid two requests per file, and every file's first
 bytes came a round trip late. So when the cache holds no sidecar for a URL, an open asks
 for the file's first :data:`PROBE_BYTES` with one ranged GET instead, whose answer
@@ -12,7 +12,7 @@ carries the signature too (ETag, Last-Modified, and the total size in Content-Ra
 * A file no longer than that is then complete: one request in all. A longer one's
   download goes on from where the probe ended, so the probe costs no byte twice: with
   one more GET, of the rest, for a file downloaded whole (:func:`write_rest`), or in the
-  ranges of NOTE [ Reading a download ] in ``cache_stream.py`` for one read as it
+  ranges of NOTE [ Reading a download ] in ``storage/cache/download.py`` for one read as it
   arrives. An answer of another ETag than the probe's (the file replaced in between)
   fails the download (``Changed``), which the reader's retry opens anew; so does a range
   of such a download (:func:`range_reader`), probed or not, where fsspec's ``cat_file``
@@ -102,7 +102,7 @@ def write_rest(
     whole download), then the rest of the file with one GET from where they end (none
     when they are the whole file), telling ``counted`` of the rest's bytes as they land
     (NOTE [ Probing a download ]); returns their CRC-32 (NOTE [ Checked entries ] in
-    ``cache_entries.py``).
+    ``storage/cache/entries.py``).
 
     Raises:
         Changed: The answer is of another ETag than ``signature``'s.
@@ -175,7 +175,7 @@ def _get(
     ``fs`` (:func:`asks`): its answer's headers and its bytes (with ``landed``, each
     chunk is handed to it as it arrives instead, and the bytes returned are empty).
     Sent with the process's synchronous client where it can be (NOTE [ Synchronous GETs ]
-    in ``_s3_client.py``), else through s3fs.
+    in ``storage/s3_client.py``), else through s3fs.
 
     Raises:
         Changed: ``etag`` is given and the answer is of another ETag (its body unread).
