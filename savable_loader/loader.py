@@ -28,7 +28,7 @@ from ._main.stream import Hang, Stream
 from ._resume import elastic as _elastic
 from ._resume.compat import SavedStates, check_compatible, own_state, state_from_dict, state_key
 from ._resume.layout import Layout
-from ._worker.spec import RuntimeSpec
+from ._worker.runtime import RuntimeSpec
 from ._worker.wrapper import WorkerWrapper
 from .config import WorkerConfig
 from .datasets.adapters.datapipes import is_datapipe, seed_epoch

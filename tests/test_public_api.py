@@ -83,3 +83,34 @@ def test_datasets_all_is_sorted_and_pinned():
     ]
     for name in datasets.__all__:
         assert hasattr(datasets, name)
+
+
+def test_the_old_module_paths_of_the_stages_still_import():
+    """Up to 0.1.0 the docs imported stages from their modules (NOTE [ Old module paths ])."""
+    import importlib
+
+    import savable_loader.datasets as datasets
+
+    old = {
+        "blend": "Blend",
+        "filter": "Filter",
+        "indexed": "IndexedDataset",
+        "jsonl": "JsonLinesSource",
+        "limit": "Limit",
+        "map": "Map",
+        "repeat": "Repeat",
+        "retry": "RetryPolicy",
+        "shuffle": "Shuffle",
+        "stage": "Stage",
+        "stateful": "StatefulDataset",
+        "table": "TableSource",
+        "tar": "TarSource",
+        "tokens": "TokenSource",
+        "transform": "Transform",
+    }
+    for module, name in old.items():
+        loaded = importlib.import_module(f"savable_loader.datasets.{module}")
+        assert getattr(loaded, name) is getattr(datasets, name)
+        assert getattr(datasets, module) is loaded
+    assert importlib.import_module("savable_loader.datasets.retry").DEFAULT_POLICY.attempts == 8
+    assert not hasattr(datasets, "no_such_module")

@@ -193,3 +193,48 @@ def test_a_note_reference_that_names_a_file_names_the_file_of_the_note() -> None
             if not candidates & homes.get(note, set()):
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}: NOTE [ {note} ] in {named}")
     assert not wrong, "\n".join(wrong)
+
+
+MAX_FOLDER_MODULES = 15
+MAX_ROOT_MODULES = 12
+
+
+def _folders() -> dict[Path, list[Path]]:
+    found: dict[Path, list[Path]] = {}
+    for path in MODULES.values():
+        found.setdefault(path.parent, []).append(path)
+    return found
+
+
+@pytest.mark.parametrize("folder", sorted(_folders()), ids=lambda p: p.name)
+def test_folders_are_small(folder: Path) -> None:
+    most = MAX_ROOT_MODULES if folder == PACKAGE else MAX_FOLDER_MODULES
+    modules = sorted(path.name for path in _folders()[folder])
+    assert len(modules) <= most, f"{folder.name} holds {len(modules)} modules: {modules}"
+
+
+@pytest.mark.parametrize("folder", sorted(_folders()), ids=lambda p: p.name)
+def test_every_package_says_what_lives_there(folder: Path) -> None:
+    docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+    assert docstring, f"{folder.name}/__init__.py has no docstring"
+    assert len(docstring.split()) >= 8, f"{folder.name}/__init__.py: {docstring!r}"
+
+
+#: Where code runs, bottom to top: what crosses the command channel, what runs the
+#: pipeline (in a worker), what meets a saved state, the main process's loader. A layer
+#: imports only the layers below it.
+PROCESS_LAYERS = ("_channel", "_worker", "_resume", "_main")
+
+
+@pytest.mark.parametrize("layer", PROCESS_LAYERS)
+def test_a_process_layer_imports_only_the_layers_below_it(layer: str) -> None:
+    above = PROCESS_LAYERS[PROCESS_LAYERS.index(layer) + 1 :]
+    forbidden = tuple(f"savable_loader.{name}" for name in (*above, "loader"))
+    upward = [
+        (name, target)
+        for name, targets in GRAPH.items()
+        if name.startswith(f"savable_loader.{layer}")
+        for target in targets
+        if target.startswith(forbidden)
+    ]
+    assert not upward

@@ -14,8 +14,10 @@ for the GIL, which the command thread does only to answer. Requests carry ids; t
 loader discards answers to requests it gave up on.
 Every wait in :meth:`CommandChannel.request` has a deadline and checks, a few times a
 second, that the worker is alive: a dead or hung worker raises :class:`WorkerError`
-naming it, never hangs. Commands are a name plus plain arguments, so the set is open:
-``checkpoint``, ``stats`` and ``progress`` today.
+naming it, never hangs. The commands are :class:`Command`'s members, each named once on
+each side: the loader sends ``Command.X``; a worker answers it with the method ``x`` of
+its :class:`Answers` (``_worker/wrapper.py``), through the one table :data:`HANDLERS`.
+A new command is a member, a method of :class:`Answers`, and a row of the table.
 
 NOTE [ Stacks of a hung worker ]
 A worker that does not answer, or hangs in an item, is killed; what it was doing is the
@@ -36,6 +38,7 @@ workers use no ``SIGUSR2`` of their own.
 
 from __future__ import annotations
 
+import enum
 import faulthandler
 import itertools
 import logging
@@ -46,11 +49,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import WorkerError
 
 __all__ = [
+    "HANDLERS",
+    "Answers",
+    "Command",
     "CommandChannel",
     "CommandServer",
     "NoAnswerError",
@@ -70,7 +76,42 @@ _STACKS_SECONDS = 1.0
 _STACKS_MAX_BYTES = 32 * 1024
 #: The stacks pipes this worker process registered with faulthandler.
 _REGISTERED: list[Any] = []
-Handler = Callable[[dict[str, Any]], Any]
+
+
+class Command(enum.Enum):
+    """What the loader asks a worker (NOTE [ Command channel ])."""
+
+    #: The newest checkpoint at or before the position the loader handed on
+    #: (argument ``delivered``), as a plain dict: every save asks it.
+    CHECKPOINT = "checkpoint"
+    #: The worker's figures (its pid, position, what its sources read).
+    STATS = "stats"
+    #: What the worker is doing now and for how long: the watchdog asks it.
+    PROGRESS = "progress"
+
+    @property
+    def immediate(self) -> bool:
+        """Answered at once, even while the worker starts: it reads nothing the start-up
+        builds."""
+        return self is Command.PROGRESS
+
+
+class Answers(Protocol):
+    """A worker's answers, one method per :class:`Command`, named as its value."""
+
+    def checkpoint(self, delivered: int) -> Any: ...
+
+    def stats(self) -> Any: ...
+
+    def progress(self) -> Any: ...
+
+
+#: How a worker answers each command: the one table between a request and its answer.
+HANDLERS: dict[Command, Callable[[Answers, dict[str, Any]], Any]] = {
+    Command.CHECKPOINT: lambda answers, arguments: answers.checkpoint(arguments["delivered"]),
+    Command.STATS: lambda answers, arguments: answers.stats(),
+    Command.PROGRESS: lambda answers, arguments: answers.progress(),
+}
 
 
 class NoAnswerError(WorkerError):
@@ -111,16 +152,16 @@ class CommandChannel:
 
     def request(
         self,
-        name: str,
+        command: Command,
         arguments: Sequence[dict[str, Any] | None],
         *,
         timeout: float,
         is_alive: Callable[[int], bool],
     ) -> list[Any]:
-        """Sends command ``name`` to the workers and returns their answers in worker order.
+        """Sends ``command`` to the workers and returns their answers in worker order.
 
         Args:
-            name: The command.
+            command: The command.
             arguments: One argument dict per worker; None: that worker is not asked,
                 and its answer is None.
             timeout: Seconds to wait for all answers together.
@@ -129,6 +170,7 @@ class CommandChannel:
         Raises:
             WorkerError: A worker died, did not answer in time, or failed the command.
         """
+        name = command.value
         if self._closed:
             raise WorkerError(f"cannot send {name!r}: the workers' command channel is closed")
         request_id = next(self._ids)
@@ -282,25 +324,17 @@ class _Dump:
 
 
 class CommandServer:
-    """The worker's end: a daemon thread answering commands with ``handlers``.
+    """The worker's end: a daemon thread answering commands with ``answers``.
 
     Requests that arrive before :meth:`ready` (the worker is still restoring) wait for
     it; if the worker failed to start, :meth:`fail` makes every request answer with
-    that failure. Commands in ``immediate`` (``progress``) are answered at once, even
-    while the worker starts: they read nothing the start-up builds.
+    that failure. An immediate command (``Command.immediate``) is answered at once.
     """
 
-    def __init__(
-        self,
-        channel: CommandChannel,
-        worker_id: int,
-        handlers: dict[str, Handler],
-        immediate: dict[str, Handler] | None = None,
-    ) -> None:
+    def __init__(self, channel: CommandChannel, worker_id: int, answers: Answers) -> None:
         self._commands = channel.commands[worker_id][0]
         self._results = channel.results[worker_id][1]
-        self._handlers = handlers
-        self._immediate = immediate or {}
+        self._answers = answers
         self._ready = threading.Event()
         self._failure: str | None = None
         self._thread = threading.Thread(
@@ -336,13 +370,9 @@ class CommandServer:
                 return
 
     def _answer(self, name: str, arguments: dict[str, Any]) -> Any:
-        immediate = self._immediate.get(name)
-        if immediate is not None:
-            return immediate(arguments)
-        self._ready.wait()
-        if self._failure is not None:
-            raise RuntimeError(f"the worker failed to start:\n{self._failure}")
-        handler = self._handlers.get(name)
-        if handler is None:
-            raise KeyError(f"unknown command {name!r}")
-        return handler(arguments)
+        command = Command(name)  # a ValueError names an unknown one
+        if not command.immediate:
+            self._ready.wait()
+            if self._failure is not None:
+                raise RuntimeError(f"the worker failed to start:\n{self._failure}")
+        return HANDLERS[command](self._answers, arguments)

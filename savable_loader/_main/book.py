@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from .._channel.events import END
 from .._resume.layout import Layout
 from .._version import __version__
-from .._worker.spec import WorkerStart
+from .._worker.runtime import WorkerStart
 from ..errors import SavableLoaderError
 from ..state.models import FORMAT_VERSION, Checkpoint, OrderState, RankState, WorkerState
 

@@ -70,7 +70,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .._channel import torch_compat as _torch_compat
-from .._channel.commands import CommandChannel, NoAnswerError
+from .._channel.commands import Command, CommandChannel, NoAnswerError
 from .._channel.events import CHECKPOINTING, FAILED_INIT, PRODUCING, STARTING, Event, Failure
 from .._worker.wrapper import WorkerInit, WorkerWrapper
 from ..config import WorkerConfig
@@ -270,7 +270,7 @@ class Stream:
         a worker that does not answer is hung; the stream keeps the hang, then kills the
         worker so that the main thread's wait ends. Returns whether it found one."""
         try:
-            self._request("progress", [{} for _ in range(self.num_workers)])
+            self._request(Command.PROGRESS, [{} for _ in range(self.num_workers)])
         except Hang as hang:
             self._found = hang
             self.kill(hang.workers)
@@ -289,7 +289,7 @@ class Stream:
     def _watch(self) -> None:
         """Raises :class:`Hang` naming the workers stuck beyond their bounds."""
         config = self.config
-        answers = self._request("progress", [{} for _ in range(self.num_workers)])
+        answers = self._request(Command.PROGRESS, [{} for _ in range(self.num_workers)])
         hung: list[int] = []
         reasons: list[str] = []
         answering = True
@@ -333,7 +333,7 @@ class Stream:
 
     # -- commands ---------------------------------------------------------------------
 
-    def _request(self, name: str, arguments: Sequence[dict[str, Any] | None]) -> list[Any]:
+    def _request(self, command: Command, arguments: Sequence[dict[str, Any] | None]) -> list[Any]:
         """Sends a command to every worker (NOTE [ Command channel ] in ``_channel/commands.py``).
 
         Raises:
@@ -342,15 +342,17 @@ class Stream:
         """
         with self._lock:
             self._raise_found()  # the worker it names is killed: it would not answer
-            return self._request_locked(name, arguments)
+            return self._request_locked(command, arguments)
 
-    def _request_locked(self, name: str, arguments: Sequence[dict[str, Any] | None]) -> list[Any]:
+    def _request_locked(
+        self, command: Command, arguments: Sequence[dict[str, Any] | None]
+    ) -> list[Any]:
         if self.channel is None:
-            raise WorkerError(f"cannot send {name!r}: the stream has no command channel")
+            raise WorkerError(f"cannot send {command.value!r}: the stream has no command channel")
         iterator = self.iterator
         try:
             return self.channel.request(
-                name,
+                command,
                 arguments,
                 timeout=self.config.command_timeout,
                 is_alive=lambda w: _torch_compat.worker_alive(iterator, w),
@@ -396,7 +398,7 @@ class Stream:
             return [runtime.checkpoint_for(delivered[0])]
         known = known or {}
         answers = self._request(
-            "checkpoint",
+            Command.CHECKPOINT,
             [None if w in known else {"delivered": d} for w, d in enumerate(delivered)],
         )
         for answer in answers:
@@ -412,7 +414,7 @@ class Stream:
         if self.num_workers == 0:
             runtime = self.wrapper.runtime
             return [runtime.stats()] if runtime is not None else []
-        return [dict(answer) for answer in self._request("stats", [{}] * self.num_workers)]
+        return [dict(answer) for answer in self._request(Command.STATS, [{}] * self.num_workers)]
 
     @property
     def started(self) -> bool:

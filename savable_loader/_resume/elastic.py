@@ -52,8 +52,7 @@ import msgpack
 
 from .._channel.events import END, ITEM
 from .._version import __version__
-from .._worker.runtime import PipelineRuntime
-from .._worker.spec import RuntimeSpec, WorkerStart, epoch_rng_state
+from .._worker.runtime import PipelineRuntime, RuntimeSpec, WorkerStart, epoch_rng_state
 from ..config import WorkerContext
 from ..datasets.adapt import DatasetStage
 from ..datasets.adapters.stateful import StatefulDataset

@@ -42,10 +42,9 @@ from .._channel import torch_compat as _torch_compat
 from .._channel.commands import CommandServer, check_stacks_signal, register_stacks
 from .._channel.events import FAILED_INIT, IDLE, PRODUCING, STARTING, Event, Failure, Progress
 from ..errors import WorkerError
-from .runtime import PipelineRuntime
-from .spec import RuntimeSpec, WorkerStart
+from .runtime import PipelineRuntime, RuntimeSpec, WorkerStart
 
-__all__ = ["WorkerInit", "WorkerWrapper"]
+__all__ = ["WorkerAnswers", "WorkerInit", "WorkerWrapper"]
 
 _WORKER_SWITCH_INTERVAL = 0.001
 
@@ -126,30 +125,9 @@ class WorkerWrapper(IterableDataset[Event]):
         self._serving = True
         if info is None or channel is None:
             return
-        start = self._start_of(info.id)
-
-        def checkpoint(args: dict[str, Any]) -> Any:
-            failure = self.init_failure
-            if start.cut and failure is not None and args["delivered"] == start.delivered + 1:
-                # A cut this worker could not make (NOTE [ A new iter() starts an epoch ]):
-                # the loader raises the hook's error as torch would.
-                return {FAILED_INIT: dataclasses.asdict(dataclasses.replace(failure, error=None))}
-            if args["delivered"] != start.delivered:
-                raise WorkerError(
-                    f"worker {info.id} failed in worker_init_fn and stands at "
-                    f"{start.delivered}, not {args['delivered']}"
-                )
-            return None if start.checkpoint is None else start.checkpoint.model_dump()
-
-        server = CommandServer(
-            channel,
-            info.id,
-            {
-                "checkpoint": checkpoint,
-                "stats": lambda args: {"pid": os.getpid(), "seq": start.delivered},
-            },
-            immediate={"progress": lambda args: self.progress.report()},
-        )
+        answers = WorkerAnswers(info.id, self.progress, self._start_of(info.id))
+        answers.init_failure = self.init_failure
+        server = CommandServer(channel, info.id, answers)
         server.start()
         server.ready()
 
@@ -162,27 +140,65 @@ class WorkerWrapper(IterableDataset[Event]):
         channel = self.spec.channel
         if channel is None:
             return PipelineRuntime(self.spec, info.id, in_main=False, progress=progress)
-        # NOTE [ Command channel ] in _commands.py: a command thread waits for the GIL at
-        # most this long while the worker runs Python code (default 5 ms).
+        # NOTE [ Command channel ] in _channel/commands.py: a command thread waits for the
+        # GIL at most this long while the worker runs Python code (default 5 ms).
         sys.setswitchinterval(min(sys.getswitchinterval(), _WORKER_SWITCH_INTERVAL))
-        holder: list[PipelineRuntime] = []
-        server = CommandServer(
-            channel,
-            info.id,
-            {
-                "checkpoint": lambda args: holder[0].checkpoint_for(args["delivered"]).model_dump(),
-                "stats": lambda args: holder[0].stats(),
-            },
-            immediate={"progress": lambda args: progress.report()},
-        )
+        answers = WorkerAnswers(info.id, progress, self._start_of(info.id))
+        server = CommandServer(channel, info.id, answers)
         server.start()
         try:
-            holder.append(PipelineRuntime(self.spec, info.id, in_main=False, progress=progress))
+            answers.runtime = PipelineRuntime(self.spec, info.id, in_main=False, progress=progress)
         except BaseException:
             server.fail(traceback.format_exc())
             raise
         server.ready()
-        return holder[0]
+        return answers.runtime
+
+
+class WorkerAnswers:
+    """How a worker answers the loader's commands: one method per ``Command``, named as
+    its value (NOTE [ Command channel ] in ``_channel/commands.py``).
+
+    Args:
+        worker_id: The worker.
+        progress: What the worker is doing now.
+        start: Where the worker stands when it starts.
+    """
+
+    def __init__(self, worker_id: int, progress: Progress, start: WorkerStart) -> None:
+        self.worker_id = worker_id
+        self.start = start
+        self._progress = progress
+        #: The running pipeline, once it started; None before, or after a failed init.
+        self.runtime: PipelineRuntime | None = None
+        #: What the user's ``worker_init_fn`` raised, when it did.
+        self.init_failure: Failure | None = None
+
+    def checkpoint(self, delivered: int) -> Any:
+        """The newest checkpoint at or before ``delivered``, as a dict."""
+        if self.runtime is not None:
+            return self.runtime.checkpoint_for(delivered).model_dump()
+        start, failure = self.start, self.init_failure
+        if start.cut and failure is not None and delivered == start.delivered + 1:
+            # A cut this worker could not make (NOTE [ A new iter() starts an epoch ]):
+            # the loader raises the hook's error as torch would.
+            return {FAILED_INIT: dataclasses.asdict(dataclasses.replace(failure, error=None))}
+        if delivered != start.delivered:
+            raise WorkerError(
+                f"worker {self.worker_id} failed in worker_init_fn and stands at "
+                f"{start.delivered}, not {delivered}"
+            )
+        return None if start.checkpoint is None else start.checkpoint.model_dump()
+
+    def stats(self) -> Any:
+        """The worker's figures."""
+        if self.runtime is not None:
+            return self.runtime.stats()
+        return {"pid": os.getpid(), "seq": self.start.delivered}
+
+    def progress(self) -> Any:
+        """What the worker is doing now."""
+        return self._progress.report()
 
 
 class WorkerInit:
@@ -208,7 +224,7 @@ class WorkerInit:
             raise WorkerError(f"internal error: the worker iterates {wrapper!r}; please report")
         _torch_compat.set_worker_dataset(info, wrapper.spec.dataset)
         channel = wrapper.spec.channel
-        if channel is not None:  # NOTE [ Stacks of a hung worker ] in _commands.py
+        if channel is not None:  # NOTE [ Stacks of a hung worker ] in _channel/commands.py
             register_stacks(channel, worker_id)
         if self.user_fn is None:
             return

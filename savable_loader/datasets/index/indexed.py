@@ -79,11 +79,9 @@ from ...state.names import qualified_name
 from ..protocol.cursor import Cursor
 from ..protocol.elastic import ReshardPlan
 from ..protocol.stage import Stage
-from . import reshard as indexed_rest
 from .order import Even, epoch_length, global_position, nth_remaining, rank_batches, shard_length
 from .permutation import KeyedPermutation
-from .reshard import IndexedState as _State
-from .reshard import check_length, parse_done, reshard_indexed
+from .reshard import FRESH_ORDER, IndexedState, check_length, parse_done, reshard_indexed
 
 __all__ = ["Even", "IndexedDataset", "read_batch"]
 
@@ -312,7 +310,7 @@ def read_batch(data: Any, indices: list[Any]) -> list[Any]:
 class IndexedCursor(Cursor[T]):
     """Reads an :class:`IndexedDataset` for one rank and worker."""
 
-    State = _State
+    State = IndexedState
     stage_name = "IndexedDataset"
 
     def __init__(self, stage: IndexedDataset[T], context: WorkerContext) -> None:
@@ -330,7 +328,7 @@ class IndexedCursor(Cursor[T]):
         self.done: tuple[int, np.ndarray] | None = None
         self._full_length = shard_length(self.fresh_length, context)
         #: 2: computed orders; 1: the stored permutation of a state saved before them.
-        self.order = indexed_rest.FRESH_ORDER
+        self.order = FRESH_ORDER
         self._order: tuple[int, int, Any] = (-1, 0, None)  # (epoch, order, perm)
         self._block: tuple[int, int, np.ndarray] = (-1, -1, np.empty(0, dtype=np.int64))
         #: ``(epoch, pos, done)`` of the item ``next()`` last returned (:meth:`item_key`).
@@ -472,13 +470,13 @@ class IndexedCursor(Cursor[T]):
         return state
 
     def restore_own(self, state: Any | None) -> None:
-        position = state if isinstance(state, _State) else _State(epoch=0, pos=0)
+        position = state if isinstance(state, IndexedState) else IndexedState(epoch=0, pos=0)
         self.epoch, self.pos = position.epoch, position.pos
         self._last = None
         self.done = parse_done(position)
         # The initial state is a fresh epoch; a saved one names its length or not.
         self.length = position.length if state is not None else self._named(self.fresh_length)
-        self.order = indexed_rest.FRESH_ORDER if state is None else (position.order or 1)
+        self.order = FRESH_ORDER if state is None else (position.order or 1)
         self._order = (-1, 0, None)
         self._block = (-1, -1, np.empty(0, dtype=np.int64))
         length = self.epoch_positions
