@@ -4,7 +4,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from savable_loader.integrations.lightning import LightningSavableDataLoader, SavableLoaderCallback
+from savable_loader.integrations.lightning import (
+    LightningSavableDataLoader,
+    SavableLoaderCallback,
+)
 
 
 class Items(torch.utils.data.Dataset):
