@@ -48,7 +48,7 @@ import pytest
 
 from savable_loader import SavableDataLoader
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 
 # Pages whose blocks start worker processes and take more than ~5 s.
