@@ -79,9 +79,10 @@ from ...state.names import qualified_name
 from ..protocol.cursor import Cursor
 from ..protocol.elastic import ReshardPlan
 from ..protocol.stage import Stage
+from . import reshard as indexed_reshard
 from .order import Even, epoch_length, global_position, nth_remaining, rank_batches, shard_length
 from .permutation import KeyedPermutation
-from .reshard import FRESH_ORDER, IndexedState, check_length, parse_done, reshard_indexed
+from .reshard import IndexedState, check_length, parse_done, reshard_indexed
 
 __all__ = ["Even", "IndexedDataset", "read_batch"]
 
@@ -328,7 +329,7 @@ class IndexedCursor(Cursor[T]):
         self.done: tuple[int, np.ndarray] | None = None
         self._full_length = shard_length(self.fresh_length, context)
         #: 2: computed orders; 1: the stored permutation of a state saved before them.
-        self.order = FRESH_ORDER
+        self.order = indexed_reshard.FRESH_ORDER  # read when used: the golden tests set it
         self._order: tuple[int, int, Any] = (-1, 0, None)  # (epoch, order, perm)
         self._block: tuple[int, int, np.ndarray] = (-1, -1, np.empty(0, dtype=np.int64))
         #: ``(epoch, pos, done)`` of the item ``next()`` last returned (:meth:`item_key`).
@@ -476,7 +477,7 @@ class IndexedCursor(Cursor[T]):
         self.done = parse_done(position)
         # The initial state is a fresh epoch; a saved one names its length or not.
         self.length = position.length if state is not None else self._named(self.fresh_length)
-        self.order = FRESH_ORDER if state is None else (position.order or 1)
+        self.order = indexed_reshard.FRESH_ORDER if state is None else (position.order or 1)
         self._order = (-1, 0, None)
         self._block = (-1, -1, np.empty(0, dtype=np.int64))
         length = self.epoch_positions
