@@ -47,7 +47,7 @@ from savable_loader import (
 )
 from savable_loader.state.files import encode_state
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 BATCH = 32
 

@@ -1,4 +1,22 @@
-"""Shared test configuration: Hypothesis profiles and a child-process leak check."""
+"""Shared test configuration: Hypothesis profiles, a child-process leak check, the order
+the test files run in, and the S3 fixtures.
+
+NOTE [ Test folders ]
+The test files live in folders that follow the package (``loader/``, ``resume/``,
+``datasets/`` and ``datasets/files/``, ``storage/``, ``state/``, ``rng/``, ``cli/``), plus
+``processes/`` for what only worker processes show (start methods, faults, hangs),
+``distributed/`` for real ranks (gloo jobs, DDP, the trainers, torchrun) and ``project/``
+for the documentation, the package's structure and the packaging. A folder holds at most
+15 test files. The helpers the tests share live in ``support/`` (``pipelines.py``,
+``gloo.py``, ``s3_server.py``, ``golden/``...), which pyproject.toml puts on ``sys.path``
+(``pythonpath``): they import under their own names (``from pipelines import
+RandomCounter``), as the goldens' fingerprints require, and a test that starts Python
+processes hands them ``support/`` through ``PYTHONPATH`` (``paths.pythonpath()``). The
+folders are not packages: pytest imports each test file under its base name (the default
+"prepend" import mode, which the spawned workers and the scripts run by path rely on), so
+no two test files may share a name, and a test file imports another only from its own
+folder; what files of several folders share goes to ``support/``.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +28,13 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 from s3_server import S3, moto_server, s3_access
+
+TESTS = Path(__file__).resolve().parent
 
 # NOTE [ Hypothesis profiles ]
 # "ci" (the default) is reproducible: derandomized, no deadline (multi-process
@@ -160,14 +181,15 @@ def _no_leftover_memory_files() -> Iterator[None]:
 # the process a third of the way into the run, and the process took torch._dynamo soon
 # after. The heavy files come in tiers: moto and s3fs (the S3 fixtures); torch._dynamo;
 # Hugging Face datasets and pyarrow; the trainers.
+# The tables name files by their path under tests/.
 _HEAVY_TIERS = {
-    "test_checkpoints.py": 2,  # torch.distributed.checkpoint
-    "test_loader_surface.py": 2,  # lightning.fabric, in one test
-    "test_getitems.py": 3,  # Hugging Face datasets, in one test
-    "test_stateful_adapters.py": 3,
-    "test_table_source.py": 3,
-    "test_docs.py": 4,
-    "test_hf_trainer.py": 4,
+    "loader/test_checkpoints.py": 2,  # torch.distributed.checkpoint
+    "loader/test_loader_surface.py": 2,  # lightning.fabric, in one test
+    "datasets/test_getitems.py": 3,  # Hugging Face datasets, in one test
+    "datasets/test_stateful_adapters.py": 3,
+    "datasets/files/test_table_source.py": 3,
+    "project/test_docs.py": 4,
+    "distributed/test_hf_trainer.py": 4,
 }
 _S3_FIXTURES = frozenset({"s3", "endpoint_url"})
 _S3_TIER = 1
@@ -181,33 +203,38 @@ _S3_TIER = 1
 # within each tier above the files that took longest (20 s or more of a 13-minute run)
 # come first, longest first.
 _LONGEST_MODULES = (
-    "test_resume.py",
-    "test_lightning.py",
-    "test_small_states.py",
-    "test_examples.py",
-    "test_hf_trainer.py",
-    "test_conformance.py",
-    "test_soak.py",
-    "test_accelerate.py",
-    "test_stateful_adapters.py",
-    "test_elastic.py",
-    "test_faults.py",
-    "test_storage_faults.py",
-    "test_cursor_resume.py",
-    "test_worker_semantics.py",
-    "test_script_names.py",
-    "test_docs.py",
-    "test_cli.py",
-    "test_ddp_job.py",
-    "test_limit_repeat.py",
+    "resume/test_resume.py",
+    "distributed/test_lightning.py",
+    "rng/test_small_states.py",
+    "distributed/test_examples.py",
+    "distributed/test_hf_trainer.py",
+    "loader/test_conformance.py",
+    "processes/test_soak.py",
+    "distributed/test_accelerate.py",
+    "datasets/test_stateful_adapters.py",
+    "resume/test_elastic.py",
+    "processes/test_faults.py",
+    "storage/test_storage_faults.py",
+    "resume/test_cursor_resume.py",
+    "processes/test_worker_semantics.py",
+    "state/test_script_names.py",
+    "project/test_docs.py",
+    "cli/test_cli.py",
+    "distributed/test_ddp_job.py",
+    "datasets/test_limit_repeat.py",
 )
+
+
+def _name(item: pytest.Item) -> str:
+    """The item's file, by its path under tests/ (the key of the tables above)."""
+    return item.path.relative_to(TESTS).as_posix()
 
 
 def _heavy_tiers(items: list[pytest.Item]) -> dict[str, int]:
     """Each test file's tier (NOTE [ Heavy imports last ]): 0 for a file of light tests."""
     tiers: dict[str, int] = {}
     for item in items:
-        name = item.path.name
+        name = _name(item)
         tier = _HEAVY_TIERS.get(name, 0)
         if _S3_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             tier = max(tier, _S3_TIER)
@@ -223,12 +250,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Runs the files whose tests import heavy modules last, by tier (NOTE [ Heavy imports
     last ]), the longest files first within each tier (NOTE [ Longest files first ])."""
     tiers = _heavy_tiers(items)
-    items[:] = sorted(items, key=lambda item: (tiers[item.path.name], _longest(item.path.name)))
+    items[:] = sorted(items, key=lambda item: (tiers[_name(item)], _longest(_name(item))))
 
 
 # NOTE [ S3 fixtures ]
 # ``endpoint_url`` runs moto's S3 server on loopback once per test module that asks for
-# it; ``s3`` gives a test its own bucket and credentials (tests/s3_server.py).
+# it; ``s3`` gives a test its own bucket and credentials (tests/support/s3_server.py).
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ torch's SIGCHLD watch (:func:`unwatch_workers`). One behaviour is
 relied on without a private name: an iterator whose ``timeout`` expired raises
 RuntimeError("DataLoader timed out after ...") and, asked again, keeps waiting for the
 same item, losing nothing (NOTE [ Watchdog ] in ``_main/stream.py``).
-``tests/test_torch_compat.py`` pins each behaviour used here, so a torch upgrade that
+``tests/processes/test_torch_compat.py`` pins each behaviour used here, so a torch upgrade that
 changes one fails there first.
 
 NOTE [ Delivery order before in_order ]

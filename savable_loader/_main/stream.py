@@ -12,7 +12,7 @@ interval: at most one second, a quarter of ``command_timeout`` and of ``item_tim
 and the user's ``timeout`` if smaller) and, each time it expires with no item, asks
 every worker's command thread for its progress: its phase (starting, producing item
 ``seq``, idle) and the seconds spent in it. Then it asks torch again, which keeps waiting
-for the same item (pinned in ``tests/test_torch_compat.py``). A worker still starting
+for the same item (pinned in ``tests/processes/test_torch_compat.py``). A worker still starting
 (restoring its checkpoint and replaying) after ``command_timeout``, producing one item
 for longer than ``item_timeout`` (60 s by default; None: no limit, as torch), or not
 answering within ``command_timeout`` (a frozen process) is hung: :class:`Hang` names it,

@@ -6,7 +6,7 @@ keys through ``numpy.random.SeedSequence``, never from the main process's genera
 run is reproducible without global seeding, the training loop's own draws cannot change
 the data stream, and two purposes never share a stream: :class:`Purpose` is the one
 registry of them, ``enum.unique`` refuses two purposes with one number, and
-``tests/test_rng_keys.py`` checks it too.
+``tests/rng/test_rng_keys.py`` checks it too.
 
 NOTE [ Keys of the global stream ]
 What a pipeline draws for an item is keyed by the item's place in the global stream

@@ -16,7 +16,7 @@ and the saving run's items before its break must be the first pass's. Epoch E co
 epoch and a few items; the other save points are compared up to its start, as before.
 Both runs read epoch E after full epochs: what a new epoch after a peek or a break
 holds is not compared here, since with workers or the global generators it may depend on
-how much of the epoch before was read (tests/test_torch_semantics.py compares it with
+how much of the epoch before was read (tests/loader/test_torch_semantics.py compares it with
 torch's).
 """
 

@@ -6,7 +6,7 @@ trainer's last checkpoint by a new trainer, and an ``assert`` that every step's 
 augmented values and losses are an uninterrupted run's. The example is a script under
 examples/, shown on its page verbatim (a test here fails when they drift). test_docs.py
 runs each page's example on one process; the tests here run each script as a job
-(tests/trainer_jobs.py) on two gloo ranks started with torchrun's environment variables,
+(tests/support/trainer_jobs.py) on two gloo ranks started with torchrun's environment variables,
 as each page says to (the Lightning page: with its several-ranks ``Trainer`` in place of
 the example's). A job's script checks itself: its ``assert`` fails the job. The same
 integrations killed with SIGKILL and resumed in new processes are test_lightning.py's,

@@ -25,7 +25,7 @@ with ``cache_dir``, spend it so:
   entry cached before a file was replaced is read until the source is built again (a
   restart lists anew). Without a listed signature, a change shows at the next open.
 * Only s3fs listings are used so, whose signatures equal what ``info()`` and a GET's
-  headers give (checked by ``tests/test_listed_signatures.py``); other stores ask
+  headers give (checked by ``tests/storage/test_listed_signatures.py``); other stores ask
   ``info()`` as before. A literal path, not listed, asks too.
 """
 

@@ -1,0 +1,47 @@
+"""Tests of the test and packaging scaffolding itself (no savable_loader import)."""
+
+from __future__ import annotations
+
+import ast
+import multiprocessing
+import time
+import tomllib
+
+from packaging.version import Version
+from paths import ROOT
+
+PYPROJECT = ROOT / "pyproject.toml"
+
+
+def test_joined_child_process_does_not_trip_leak_check() -> None:
+    # spawn: forking a multi-threaded pytest process warns on Python >= 3.12.
+    process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0.01,))
+    process.start()
+    process.join(timeout=60)
+    assert process.exitcode == 0
+
+
+def test_pyproject_declares_console_script() -> None:
+    with PYPROJECT.open("rb") as file:
+        pyproject = tomllib.load(file)
+    assert pyproject["project"]["scripts"]["savable-loader"] == "savable_loader.cli:main"
+
+
+def test_the_lowest_session_installs_every_declared_minimum() -> None:
+    """``nox -s tests_lowest`` (run by CI) tests what pyproject.toml declares."""
+    with PYPROJECT.open("rb") as file:
+        declared = tomllib.load(file)["project"]["dependencies"]
+    minimums = {}
+    for requirement in declared:
+        name, _, version = requirement.partition(">=")
+        minimums[name.strip()] = version.strip()
+    noxfile = ast.parse((PYPROJECT.parent / "noxfile.py").read_text())
+    (lowest,) = [
+        node.value
+        for node in noxfile.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LOWEST"
+    ]
+    pinned = dict(pin.split("==") for pin in ast.literal_eval(lowest))
+    assert {name: Version(version) for name, version in pinned.items()} == {
+        name: Version(version) for name, version in minimums.items()
+    }
