@@ -133,7 +133,9 @@ class SlowRestore(RandomCounter):
         super().restore_state(state)
         info = get_worker_info()
         if state is not None and info is not None and info.id == 0:
-            Path(self.pid_file).write_text(str(os.getpid()))
+            # Written whole (a rename): the test kills the pid as soon as the file is there.
+            Path(self.pid_file + ".tmp").write_text(str(os.getpid()))
+            os.replace(self.pid_file + ".tmp", self.pid_file)
             time.sleep(self.seconds)
 
 
