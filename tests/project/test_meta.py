@@ -6,9 +6,10 @@ import ast
 import multiprocessing
 import time
 import tomllib
+from collections import Counter
 
 from packaging.version import Version
-from paths import ROOT
+from paths import ROOT, TESTS
 
 PYPROJECT = ROOT / "pyproject.toml"
 
@@ -45,3 +46,22 @@ def test_the_lowest_session_installs_every_declared_minimum() -> None:
     assert {name: Version(version) for name, version in pinned.items()} == {
         name: Version(version) for name, version in minimums.items()
     }
+
+
+def test_test_folders_hold_at_most_15_files_of_unique_names() -> None:
+    """NOTE [ Test folders ] in tests/conftest.py: pytest imports a test file under its base
+    name, so two files of one name would collide."""
+    files = sorted(TESTS.rglob("test_*.py"))
+    folders = Counter(path.parent.relative_to(TESTS).as_posix() for path in files)
+    assert {folder: count for folder, count in folders.items() if count > 15} == {}
+    names = Counter(path.name for path in files)
+    assert {name: count for name, count in names.items() if count > 1} == {}
+    assert not list(TESTS.glob("test_*.py")), "a test file belongs in a folder"
+
+
+def test_the_ordering_tables_name_test_files_that_exist() -> None:
+    """NOTE [ Heavy imports last ] and NOTE [ Longest files first ] in tests/conftest.py."""
+    import conftest
+
+    named = {*conftest._HEAVY_TIERS, *conftest._LONGEST_MODULES}
+    assert {name for name in named if not (TESTS / name).is_file()} == set()
