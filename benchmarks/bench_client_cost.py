@@ -23,6 +23,13 @@ costs less), and the CPU per MB of a download written to a file. The configurati
 through botocore's synchronous client (NOTE [ Synchronous GETs ] in
 ``savable_loader/storage/s3_client.py``), so each round measures that change too.
 
+NOTE [ A client outside the GIL ]
+Where ``obstore`` is installed (the ``bench`` extra), the same GETs and downloads are
+measured with it too: the Python binding of Rust's ``object_store``, whose requests run
+on its own threads without the GIL. ``time.process_time()`` counts those threads, so its
+figures are the whole process's CPU, as for the Python clients. It is measured, not yet
+used by the loader.
+
 Run: ``python benchmarks/bench_client_cost.py`` (``--quick``: 1 round, prints only).
 """
 
@@ -121,6 +128,14 @@ def get_costs(options: dict[str, Any], keys: list[str]) -> dict[str, float]:
         "boto3 get_object": lambda key: client.get_object(Bucket=bucket, Key=key)["Body"].read(),
         "s3fs cat_file": lambda key: fs.cat_file(f"{bucket}/{key}"),
     }
+    store = _obstore(options)
+    if store is not None:  # NOTE [ A client outside the GIL ]
+        import obstore
+
+        clients["obstore get"] = lambda key: bytes(obstore.get(store, key).bytes())
+        clients["obstore get, a range"] = lambda key: bytes(
+            obstore.get_range(store, key, start=0, end=16_000)
+        )
     costs = {}
     for name, get in clients.items():
         get(keys[0])
@@ -177,12 +192,24 @@ def download_costs(options: dict[str, Any], keys: list[str], folder: Path) -> di
         answer.release_conn()
         return size
 
-    costs = {}
-    for name, download in (
+    downloads: list[tuple[str, Callable[[Any, str], int]]] = [
         ("boto3, 1 MiB reads", with_boto3),
         ("urllib3 readinto, presigned", with_urllib3),
         ("urllib3 readinto, presigned, not written", into_memory),
-    ):
+    ]
+    store = _obstore(options)
+    if store is not None:  # NOTE [ A client outside the GIL ]
+        import obstore
+
+        def with_obstore(out: Any, key: str) -> int:
+            size = 0
+            for chunk in obstore.get(store, key).stream(min_chunk_size=2**20):
+                size += out.write(chunk)
+            return size
+
+        downloads.append(("obstore stream, 1 MiB chunks", with_obstore))
+    costs = {}
+    for name, download in downloads:
         with open(folder / "download", "wb") as out:
             download(out, keys[0])  # the client and its connection are set up
         cpu, size = time.process_time(), 0
@@ -192,6 +219,24 @@ def download_costs(options: dict[str, Any], keys: list[str], folder: Path) -> di
         costs[name] = 1e3 * (time.process_time() - cpu) / (size / 1e6)
     costs["cheapest"] = min(costs.values())
     return costs
+
+
+def _obstore(options: dict[str, Any]) -> Any:
+    """An ``obstore`` store of the benchmark's bucket, or None where obstore is not
+    installed (NOTE [ A client outside the GIL ])."""
+    try:
+        from obstore.store import S3Store
+    except ImportError:
+        return None
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    return S3Store(
+        bench_remote.BUCKET,
+        endpoint=endpoint,
+        access_key_id=options["key"],
+        secret_access_key=options["secret"],
+        region="us-east-1",
+        client_options={"allow_http": endpoint.startswith("http://")},
+    )
 
 
 @contextlib.contextmanager
@@ -302,13 +347,17 @@ def report(runs: list[dict[str, float]], *, write: bool) -> None:
                 ),
             }
         )
-    for key in ("urllib3 GET of a presigned URL", "boto3 get_object", "s3fs cat_file"):
+    gets = ["urllib3 GET of a presigned URL", "boto3 get_object", "s3fs cat_file"]
+    gets += [key for key in ("obstore get", "obstore get, a range") if key in runs[0]]
+    for key in gets:
         rows.append({"what": f"one GET of 16 KB: {key}", "CPU ms per item": median(key)})
-    for key in (
+    downloads = [
         "boto3, 1 MiB reads",
         "urllib3 readinto, presigned",
         "urllib3 readinto, presigned, not written",
-    ):
+    ]
+    downloads += [key for key in ("obstore stream, 1 MiB chunks",) if key in runs[0]]
+    for key in downloads:
         rows.append({"what": f"a download, per MB: {key}", "CPU ms per item": median(key)})
     notes = [
         f"{len(runs)} rounds, every step of a round in an order rotated every round; "
@@ -324,7 +373,7 @@ def report(runs: list[dict[str, float]], *, write: bool) -> None:
         f"with a counts file; table: {SIZES.table_rows:,} rows, each naming a file of 16 KB.",
         f"One GET of 16 KB: CPU ms per request, {GETS} requests per client. A download, "
         "per MB: CPU ms per MB of every tar shard (~10 MB each) written to a file; the "
-        "floor of tar takes the cheapest of the three per round.",
+        "floor of tar takes the cheapest download per round.",
     ]
     common.write_results(
         "bench_client_cost",

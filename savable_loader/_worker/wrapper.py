@@ -42,6 +42,7 @@ from .._channel import torch_compat as _torch_compat
 from .._channel.commands import CommandServer, check_stacks_signal, register_stacks
 from .._channel.events import FAILED_INIT, IDLE, PRODUCING, STARTING, Event, Failure, Progress
 from ..errors import WorkerError
+from ..storage import object_store
 from .runtime import PipelineRuntime, RuntimeSpec, WorkerStart
 
 __all__ = ["WorkerAnswers", "WorkerInit", "WorkerWrapper"]
@@ -218,6 +219,7 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         gc.freeze()  # NOTE [ Inherited objects are frozen ]
+        object_store.allow_in_worker()  # NOTE [ A client outside the GIL ]
         info = get_worker_info()
         wrapper = info.dataset if info is not None else None
         if not isinstance(wrapper, WorkerWrapper):

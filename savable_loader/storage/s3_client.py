@@ -29,6 +29,8 @@ same credentials.
   the end ``OSError(EINVAL)``, denied ``PermissionError``), chained from the original;
   connection, timeout and streaming errors stay botocore's and urllib3's, which NOTE
   [ Retries ] in ``storage/retry.py`` classifies as it does aiobotocore's.
+* Where ``obstore`` is installed, these GETs go through it instead (NOTE [ A client
+  outside the GIL ] in ``storage/object_store.py``).
 * One client per filesystem and process, built at its first GET; botocore's clients are
   thread-safe, so the fetch and prefetch threads share it. A forked child (a DataLoader
   worker) builds its own and closes its copies of the parent's connections.
@@ -44,6 +46,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from . import object_store
 from .filesystems import made_session
 
 __all__ = ["get_object"]
@@ -77,6 +80,12 @@ def get_object(fs: Any, bucket: str, key: str, span: str) -> Iterator[dict[str, 
         OSError: What s3fs would raise for the same answer (``translate_boto_error``).
         Exception: botocore's and urllib3's connection, timeout and streaming errors.
     """
+    if object_store.enabled() and _copyable(fs):  # NOTE [ A client outside the GIL ]
+        store = object_store.store_for(fs, bucket)
+        if store is not None:
+            with object_store.get_object(store, f"s3://{bucket}/{key}", key, span) as answer:
+                yield answer
+            return
     client = _client(fs)
     if client is None:
         yield None

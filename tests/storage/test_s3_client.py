@@ -6,7 +6,9 @@ copy leaves the request to s3fs."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import io
+import multiprocessing
 import os
 import tarfile
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 
 from savable_loader import SavableDataLoader
 from savable_loader.datasets import TableSource, TarSource
-from savable_loader.storage import s3_client
+from savable_loader.storage import object_store, s3_client
 from savable_loader.storage.cache.entries import signature_of
 from savable_loader.storage.cache.probe import probe, read_whole
 from savable_loader.storage.filesystems import url_to_fs
@@ -100,46 +102,79 @@ def _stream(loader: SavableDataLoader) -> list[str]:
         return [digest(batch) for _ in range(2) for batch in loader]
 
 
+def _streams(tars: str, rows: str, options: dict[str, Any], cache: Path | None) -> Any:
+    """The streams of two-worker loaders over tar shards and a table of small files."""
+    kept = {"cache_dir": cache} if cache is not None else {}
+    return [
+        _stream(
+            SavableDataLoader(source, batch_size=4, num_workers=2, multiprocessing_context="fork")
+        )
+        for source in (
+            TarSource(tars, storage_options=options, **kept),
+            TableSource(rows, files="file", storage_options=options, **kept),
+        )
+    ]
+
+
+def _recording(module: Any, record: Path) -> None:
+    """Makes ``module._build`` note in ``record`` which process built a client."""
+    real_build = module._build
+
+    def recording_build(*args: Any) -> Any:
+        built = real_build(*args)
+        with open(record, "a") as out:
+            out.write(f"{os.getpid()} {built is not None}\n")
+        return built
+
+    module._build = recording_build
+
+
+def _fresh_streams(queue: Any, record: Path, *args: Any) -> None:
+    """:func:`_streams` in a process that never imported obstore, as a training script's
+    (its forked workers then use it: NOTE [ A client outside the GIL ])."""
+    _recording(object_store, record)
+    queue.put(_streams(*args))
+
+
+@pytest.mark.parametrize("client", ["botocore", "obstore"])
 @pytest.mark.parametrize("cached", [False, True], ids=["direct", "cache"])
 def test_sources_read_the_same_stream_through_either_client(
-    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool, client: str
 ) -> None:
     """A table of small files and tar shards large enough to be read as they download,
     with two workers (each forked after the main process built its client), read the same
-    stream through botocore's client as through s3fs's."""
+    stream through botocore's client, or obstore's (NOTE [ A client outside the GIL ]),
+    as through s3fs's."""
+    if client == "obstore" and importlib.util.find_spec("obstore") is None:
+        pytest.skip("obstore is not installed")
     for shard in range(2):  # ~5 MB each: over STREAM_MIN_BYTES, read as they arrive
         s3.put(f"tar/{shard}.tar", _tar(40, 128_000))
     rows = [s3.put(f"files/{i}.bin", bytes([i]) * (1000 + i)) for i in range(24)]
     table = "".join(f'{{"id": {i}, "file": "{url}"}}\n' for i, url in enumerate(rows))
     s3.put("rows.jsonl", table.encode())
-
-    def streams(tag: str) -> list[list[str]]:
-        cache = {"cache_dir": tmp_path / tag} if cached else {}
-        tars = TarSource(s3.url("tar/*.tar"), storage_options=s3.options(), **cache)
-        rows = TableSource(
-            s3.url("rows.jsonl"), files="file", storage_options=s3.options(), **cache
-        )
-        return [
-            _stream(SavableDataLoader(source, batch_size=4, num_workers=2))
-            for source in (tars, rows)
-        ]
-
+    urls = (s3.url("tar/*.tar"), s3.url("rows.jsonl"), s3.options())
     record = tmp_path / "built"  # the forked workers build theirs: a file sees them
-    real_build = s3_client._build
-
-    def recording_build(fs: Any) -> Any:
-        client = real_build(fs)
-        with open(record, "a") as out:
-            out.write(f"{os.getpid()} {client is not None}\n")
-        return client
-
-    monkeypatch.setattr(s3_client, "_build", recording_build)
-    ours = streams("ours")
+    if client == "obstore":  # this process may have imported obstore: a fresh one reads
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        reader = context.Process(
+            target=_fresh_streams,
+            args=(queue, record, *urls, tmp_path / "ours" if cached else None),
+        )
+        reader.start()
+        ours = queue.get(timeout=240)
+        reader.join(timeout=60)
+    else:
+        monkeypatch.setenv("SAVABLE_LOADER_OBSTORE", "0")
+        monkeypatch.setattr(s3_client, "_build", s3_client._build)  # undone after the test
+        _recording(s3_client, record)
+        ours = _streams(*urls, tmp_path / "ours" if cached else None)
     built = [line.split() for line in record.read_text().splitlines()]
     assert len({pid for pid, _ in built}) >= 2  # the workers' own clients
     assert all(made == "True" for _, made in built)
+    monkeypatch.setenv("SAVABLE_LOADER_OBSTORE", "0")
     monkeypatch.setattr(s3_client, "_build", lambda fs: None)
-    assert streams("s3fs") == ours
+    assert _streams(*urls, tmp_path / "s3fs" if cached else None) == ours
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["direct", "cache"])
