@@ -48,6 +48,8 @@ LOWEST_TEST = (
     "pyarrow==14.0.1",
     # The lightning extra's lowest; it resolves beside torch 2.4 and NumPy 1.24.
     "lightning==2.4.0",
+    # The obstore extra's lowest.
+    "obstore==0.12.1",
 )
 LINT_PATHS = ("savable_loader", "tests", "benchmarks", "examples", "noxfile.py")
 # NOTE [ Two test processes ]
