@@ -121,6 +121,11 @@ def bench(session: nox.Session) -> None:
     # bench_peers.py: plots (matplotlib), generated JPEGs (pillow) and the peer loaders.
     # The project's torch is installed first, so Energon does not pull another build.
     session.install("matplotlib", "pillow", "torchdata>=0.10", "megatron-energon")
+    # bench_fair.py's S3 server and peers (Mosaic Streaming, LitData). Both require
+    # torchvision; naming the project's torch again makes pip take the torchvision built
+    # for it rather than upgrade torch for a newer one.
+    torch_spec = os.environ.get("SAVABLE_LOADER_TORCH", DEFAULT_TORCH).strip()
+    session.install("-e", ".[bench]", *([torch_spec] if torch_spec else []))
     scripts = sorted(Path("benchmarks").glob("bench_*.py"))
     if not scripts:
         session.error("no benchmarks/bench_*.py scripts found")
