@@ -61,6 +61,12 @@ minutes, where the recorded run has about 30. The default is therefore 10,000 sa
 40 shards of 250 (1 GB per format) and 3 rounds; ``--samples 20000`` runs the issue's
 size, ``--shards`` changes the number of files.
 
+NOTE [ A quiet machine ]
+The machine is shared with test suites that others run. ``--wait-quiet MINUTES`` first
+polls every 60 s, for up to that long, until ``pgrep -f pytest`` finds nothing and the
+1-minute load average is below 0.8, and the results say whether it got there; the run
+then starts either way.
+
 NOTE [ Dropping the page cache ]
 Writing ``/proc/sys/vm/drop_caches`` drops every file's pages on the machine, which on a
 machine shared with other jobs slows all of them. Before each measurement this benchmark
@@ -76,6 +82,7 @@ Usage::
 
     python benchmarks/bench_fair.py [--quick] [--rounds R] [--samples N] [--shards S]
         [--latency S] [--max-seconds S] [--only ours,mosaic,litdata] [--dir D]
+        [--wait-quiet MINUTES]
 
 ``--quick``: by default 1 round over 2,000 samples in 40 shards; prints only.
 """
@@ -90,6 +97,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -113,6 +121,8 @@ LABELS = {
 MODES = ("local", "cold", "warm")
 #: The defaults (NOTE [ The run's size ]).
 ROUNDS, SAMPLES, QUICK_SAMPLES = 3, 10_000, 2_000
+#: NOTE [ A quiet machine ]: the 1-minute load average below which the machine is quiet.
+QUIET_LOAD = 0.8
 #: Seconds a child may take beyond its measurement (imports, start, shutdown).
 CHILD_SLACK_S = 300.0
 KEY, SECRET, REGION = "k", "s", "us-east-1"
@@ -400,7 +410,16 @@ def main() -> None:
     )
     parser.add_argument("--only", default=",".join(LIBRARIES))
     parser.add_argument("--dir", default=None, help="the folder of the data and caches")
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="MINUTES",
+        help="first wait, polling every 60 s for up to this long, until no pytest process "
+        "runs and the 1-minute load average is below 0.8 (NOTE [ A quiet machine ])",
+    )
     args = parser.parse_args()
+    quiet = wait_quiet(args.wait_quiet)
     if args.rounds is None:
         args.rounds = 1 if args.quick else ROUNDS
     if args.samples is None:
@@ -438,7 +457,34 @@ def main() -> None:
             )
         samples = {"runs": runs, "staging_s": staging, "warm_fill": fill}
         pins = {"store": run.store_cpu, "loader": run.loader_cpu}
-    report(samples, args, pins, time.perf_counter() - began, write=not args.quick)
+    report(samples, args, pins, time.perf_counter() - began, quiet, write=not args.quick)
+
+
+def wait_quiet(minutes: float) -> str:
+    """Waits for a quiet machine (NOTE [ A quiet machine ]); returns what it found."""
+    if minutes <= 0:
+        return ""
+    began = time.monotonic()
+    polls = 0
+    while True:
+        polls += 1
+        testing = subprocess.run(["pgrep", "-f", "pytest"], capture_output=True, text=True)
+        runners = len(testing.stdout.split())
+        load = os.getloadavg()[0]
+        print(f"  poll {polls}: {runners} pytest processes, load {load:.2f}", flush=True)
+        waited = (time.monotonic() - began) / 60
+        if runners == 0 and load < QUIET_LOAD:
+            return (
+                f"The run started after {waited:.0f} minutes of waiting ({polls} polls), when no "
+                f"pytest process ran and the 1-minute load average was {load:.2f}."
+            )
+        if waited + 1 > minutes:
+            return (
+                f"The machine did not get quiet in {minutes:.0f} minutes of polling (last poll: "
+                f"{runners} pytest processes, 1-minute load average {load:.2f}); the run "
+                "went ahead anyway, sharing the machine with those jobs."
+            )
+        time.sleep(60)
 
 
 def key(library: str, shuffle: bool, mode: str) -> str:
@@ -516,6 +562,7 @@ def report(
     args: argparse.Namespace,
     pins: dict[str, int],
     elapsed: float,
+    quiet: str,
     *,
     write: bool,
 ) -> None:
@@ -558,6 +605,8 @@ def report(
         + ", ".join(f"{k} {v:.0f} s" for k, v in samples["staging_s"].items())
         + ".",
     ]
+    if quiet:
+        notes.append(quiet)
     errors = sorted(
         {f"{name}: {r['error']}" for name, rs in runs.items() for r in rs if "error" in r}
     )
@@ -618,7 +667,8 @@ def report(
         notes=notes,
         samples=samples,
         command=f"python benchmarks/bench_fair.py --rounds {args.rounds} --samples {args.samples}"
-        + (f" --dir {args.dir}" if args.dir else ""),
+        + (f" --dir {args.dir}" if args.dir else "")
+        + (f" --wait-quiet {args.wait_quiet:g}" if args.wait_quiet else ""),
         write=write,
     )
 
