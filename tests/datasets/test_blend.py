@@ -17,8 +17,6 @@ from savable_loader.datasets import Cursor, Stage
 from savable_loader.datasets.index.indexed import IndexedDataset
 from savable_loader.datasets.transforms.blend import Blend
 
-slow = pytest.mark.slow
-WORKERS = [0, pytest.param(2, marks=slow)]
 CONTEXT = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, seed=0, batch_size=None)
 
 
@@ -56,10 +54,10 @@ def test_resumes_exactly(stop: str, batch_size: int | None) -> None:
     check_stage(lambda: _pipeline(stop), num_workers=0, batch_size=batch_size)
 
 
-@slow
 @pytest.mark.parametrize("stop", STOPS)
-def test_resumes_exactly_with_workers(stop: str) -> None:
-    check_stage(lambda: _pipeline(stop), num_workers=2)
+def test_resumes_exactly_sharded(stop: str) -> None:
+    """Stream 1 of 2, in process (NOTE [ Stages in process ] in stage_harness.py)."""
+    check_stage(lambda: _pipeline(stop), num_workers=0, sharded=True)
 
 
 def _entries(cursor: Cursor[Any], n: int) -> list[Any]:

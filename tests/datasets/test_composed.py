@@ -76,12 +76,16 @@ def _write(folder: Path, *, text: str = "") -> tuple[str, str]:
     return str(folder / "*.jsonl.gz"), str(folder / "tok-*.bin")
 
 
-@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_composed_pipeline_resumes_exactly(tmp_path: Path, num_workers: int) -> None:
+@pytest.mark.parametrize("layout", ["alone", "sharded"])
+def test_composed_pipeline_resumes_exactly(tmp_path: Path, layout: str) -> None:
+    """In process, alone and as stream 1 of 2 (NOTE [ Stages in process ] in
+    stage_harness.py): with worker processes, on S3, the next test."""
     jsonl, tokens = _write(tmp_path)
-    report = check_stage(lambda: pipeline(jsonl, tokens), num_workers=num_workers)
-    # Batches, not items: the filter keeps a different share of each worker's lines in
-    # each epoch, so the workers' last partial batches may differ by one.
+    report = check_stage(
+        lambda: pipeline(jsonl, tokens), num_workers=0, sharded=layout == "sharded"
+    )
+    # Batches, not items: the filter keeps a different share of each stream's lines in
+    # each epoch.
     assert min(report.items_per_epoch) > 0
 
 
@@ -146,8 +150,9 @@ def test_composed_pipeline_on_s3_resumes_exactly_and_matches_local(
     recipe = pipeline(*remote)
     # With workers, one epoch: every loader of the check starts 2 workers, each with an
     # S3 client of its own, and two epochs took 40 s in full suite runs (9 s alone).
-    # Epochs with workers are checked on local files (test_composed_pipeline_resumes_
-    # exactly), epochs on S3 by the num_workers=0 case.
+    # Later epochs with workers are the loader's (tests/resume/test_resume.py), the
+    # pipeline's epochs are checked in process on local files (test_composed_pipeline_
+    # resumes_exactly, alone and sharded) and on S3 by the num_workers=0 case.
     check_stage(lambda: recipe, num_workers=num_workers, epochs=1 if num_workers else 2)
     local = _write(tmp_path)
 

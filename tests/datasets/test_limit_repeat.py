@@ -20,8 +20,8 @@ from savable_loader.datasets.protocol.base import SavableDataset
 from savable_loader.datasets.transforms.limit import Limit
 from savable_loader.datasets.transforms.repeat import Repeat
 
-slow = pytest.mark.slow
-WORKERS = [0, pytest.param(2, marks=slow)]
+#: In process, alone and as stream 1 of 2 (NOTE [ Stages in process ] in stage_harness.py).
+LAYOUTS = ["alone", "sharded"]
 CONTEXT = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, seed=0, batch_size=None)
 
 
@@ -45,27 +45,36 @@ def _flat(lists: Iterable[list[Any]]) -> list[Any]:
 # -- exact resume through the loader ---------------------------------------------------
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_limit_over_a_noisy_map_resumes_exactly(num_workers: int) -> None:
-    check_stage(lambda: _indexed(20).map(_noisy).limit(5), num_workers=num_workers)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_limit_over_a_noisy_map_resumes_exactly(layout: str) -> None:
+    check_stage(
+        lambda: _indexed(20).map(_noisy).limit(5), num_workers=0, sharded=layout == "sharded"
+    )
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_repeat_over_a_noisy_map_resumes_exactly(num_workers: int) -> None:
-    check_stage(lambda: _indexed(7).map(_noisy).repeat(3), num_workers=num_workers)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_repeat_over_a_noisy_map_resumes_exactly(layout: str) -> None:
+    check_stage(
+        lambda: _indexed(7).map(_noisy).repeat(3), num_workers=0, sharded=layout == "sharded"
+    )
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_endless_repeat_cut_by_limit_resumes_exactly(num_workers: int) -> None:
-    check_stage(lambda: _indexed(5).map(_noisy).repeat().limit(7), num_workers=num_workers)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_endless_repeat_cut_by_limit_resumes_exactly(layout: str) -> None:
+    check_stage(
+        lambda: _indexed(5).map(_noisy).repeat().limit(7),
+        num_workers=0,
+        sharded=layout == "sharded",
+    )
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_skipping_chains_resume_exactly_with_replay(num_workers: int) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_skipping_chains_resume_exactly_with_replay(layout: str) -> None:
     # Adaptive checkpoints over cheap items: restores replay, through skip().
     check_stage(
         lambda: _indexed(9).limit(4).repeat(3).limit(10),
-        num_workers=num_workers,
+        num_workers=0,
+        sharded=layout == "sharded",
         batch_size=None,
         dense=False,
         num_points=10,
@@ -78,14 +87,15 @@ def _tokens(tmp_path: Path) -> TokenSource:
     return TokenSource(f"{tmp_path}/*.bin", seq_len=8, shuffle=True, seed=2)
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_token_source_limit_repeat_resumes_exactly(tmp_path: Path, num_workers: int) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_token_source_limit_repeat_resumes_exactly(tmp_path: Path, layout: str) -> None:
     _tokens(tmp_path)
     check_stage(
         lambda: (
             TokenSource(f"{tmp_path}/*.bin", seq_len=8, shuffle=True, seed=2).limit(5).repeat(3)
         ),
-        num_workers=num_workers,
+        num_workers=0,
+        sharded=layout == "sharded",
     )
 
 

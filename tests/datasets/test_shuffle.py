@@ -18,8 +18,8 @@ from savable_loader.datasets.index.indexed import IndexedDataset
 from savable_loader.datasets.transforms.map import Map
 from savable_loader.datasets.transforms.shuffle import Shuffle
 
-slow = pytest.mark.slow
-WORKERS = [0, pytest.param(2, marks=slow)]
+#: In process, alone and as stream 1 of 2 (NOTE [ Stages in process ] in stage_harness.py).
+LAYOUTS = ["alone", "sharded"]
 CONTEXT = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, seed=0, batch_size=None)
 
 
@@ -37,20 +37,20 @@ def _pipeline(n: int = 37, buffer_size: int = 5, seed: int = 4) -> Stage[dict[st
 
 
 @pytest.mark.parametrize("batch_size", [2, None])
-@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_resumes_exactly_with_global_randomness_up_and_downstream(
-    num_workers: int, batch_size: int | None
+    layout: str, batch_size: int | None
 ) -> None:
-    check_stage(_pipeline, num_workers=num_workers, batch_size=batch_size)
+    check_stage(_pipeline, num_workers=0, sharded=layout == "sharded", batch_size=batch_size)
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_nested_shuffles_resume_exactly(num_workers: int) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nested_shuffles_resume_exactly(layout: str) -> None:
     def build() -> Stage[Any]:
         inner = IndexedDataset(list(range(29))).map(_upstream).shuffle(buffer_size=3, seed=1)
         return inner.shuffle(buffer_size=4, seed=2).map(_downstream)
 
-    check_stage(build, num_workers=num_workers, batch_size=None)
+    check_stage(build, num_workers=0, sharded=layout == "sharded", batch_size=None)
 
 
 _END = ("end",)

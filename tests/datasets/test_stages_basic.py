@@ -14,8 +14,8 @@ from savable_loader.datasets.index.indexed import IndexedDataset
 from savable_loader.datasets.transforms.filter import Filter
 from savable_loader.datasets.transforms.map import Map
 
-slow = pytest.mark.slow
-WORKERS = [0, pytest.param(2, marks=slow)]
+#: In process, alone and as stream 1 of 2 (NOTE [ Stages in process ] in stage_harness.py).
+LAYOUTS = ["alone", "sharded"]
 CONTEXT = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, seed=0, batch_size=None)
 
 
@@ -35,15 +35,17 @@ def _pipeline() -> Filter[dict[str, object]]:
     return IndexedDataset(list(range(40)), shuffle=True, seed=3).map(_noisy).filter(_odd_sum)
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_indexed_map_filter_resume_exactly(num_workers: int) -> None:
-    check_stage(_pipeline, num_workers=num_workers)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_indexed_map_filter_resume_exactly(layout: str) -> None:
+    check_stage(_pipeline, num_workers=0, sharded=layout == "sharded")
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_seeded_map_resumes_exactly_and_needs_no_global_generators(num_workers: int) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_seeded_map_resumes_exactly_and_needs_no_global_generators(layout: str) -> None:
     check_stage(
-        lambda: Map(IndexedDataset(list(range(30))), _augment, seed=7), num_workers=num_workers
+        lambda: Map(IndexedDataset(list(range(30))), _augment, seed=7),
+        num_workers=0,
+        sharded=layout == "sharded",
     )
 
 

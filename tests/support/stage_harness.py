@@ -29,10 +29,27 @@ cost an epoch more in both reference runs and two restores more (about 15% of a 
 The stages' own tests run two workers, not three: a stage's shards differ in length
 with two workers as well, and round-robin over three or more workers (placeholders for
 two workers before the one next in turn) is the loader's, checked in ``test_resume.py``.
+
+NOTE [ Stages in process ]
+A stage that holds nothing but its items and its position (the transforms: Map, Filter,
+Shuffle, Limit, Repeat, Blend, and their compositions) shows nothing more in a worker
+process than in the main process: the worker only runs its cursor, and what workers add
+(starting, restoring and replaying each worker, the ring of checkpoints, the round-robin
+of uneven shards, the workers' generators) is the loader's, which
+``tests/resume/test_resume.py`` checks over the loader's configurations. What a stage does
+with a shard of the data is checked in process too: ``sharded=True`` reads stream 1 of 2
+(``WorkerConfig(rank=1, world_size=2)``, no worker process), and
+``tests/resume/test_cursor_resume.py`` resumes every stage at every position as worker 1 of
+2 of rank 1 of 2. So those stages run their check in process, alone and sharded, at a
+seventh of the cost of two workers (whose every restore starts them again, each epoch).
+A stage that holds what a fork could break keeps a case with worker processes: the file
+sources (open files, memory maps, S3 clients, download threads) and the adapters of
+objects that read ``get_worker_info()`` themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,16 +69,23 @@ def check_stage(
     num_points: int = 3,
     chain_items: Sequence[int] | None = None,
     interruptions: bool | None = None,
+    sharded: bool = False,
     **loader_kwargs: Any,
 ) -> ResumeReport:
-    """Asserts that a loader over ``build()`` resumes exactly; returns the report."""
+    """Asserts that a loader over ``build()`` resumes exactly; returns the report.
+
+    ``sharded``: the loader reads stream 1 of 2 (rank 1 of 2, simulated in this process;
+    NOTE [ Stages in process ]) instead of the whole data."""
+    config = DENSE if dense else None
+    if sharded:
+        config = dataclasses.replace(config or WorkerConfig(), rank=1, world_size=2)
 
     def loader() -> SavableDataLoader:
         return SavableDataLoader(
             build(),
             batch_size=batch_size,
             num_workers=num_workers,
-            worker_config=DENSE if dense else None,
+            worker_config=config,
             **loader_kwargs,
         )
 
