@@ -1,10 +1,10 @@
 """Hugging Face Accelerate resumes an ``AccelerateSavableDataLoader`` exactly from
 ``accelerator.save_state``.
 
-Each test runs this file as a training job
-(``python tests/distributed/test_accelerate.py ...``, in a
-session of its own; with two ranks it starts one process per rank with torchrun's
-environment variables, over gloo): the loader goes through ``accelerator.prepare()`` with
+Each test runs this file as a training job, as ``python
+tests/distributed/test_accelerate.py ...`` would, in a session of its own, forked from a
+process that imported the library once (NOTE [ Jobs from a zygote ] in zygote.py); with
+two ranks, one process per rank with torchrun's environment variables, over gloo: the loader goes through ``accelerator.prepare()`` with
 the model and optimizer and is registered for checkpointing; ``save_state`` every 4 steps.
 An uninterrupted run, then a run that SIGKILLs its own process group (every rank and
 worker) at a chosen step, then a run that ``load_state``s the last checkpoint. Every rank
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from trainer_jobs import check_script_resumes
+from zygote import Zygote
 
 pytestmark = pytest.mark.skipif(
     find_spec("accelerate") is None, reason="the accelerate extra is not installed"
@@ -129,23 +130,32 @@ def _job(out: str, kill: str) -> None:
     accelerator.end_training()
 
 
-def _check_resume(tmp: Path, ranks: int, kill: str) -> None:
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    """The jobs' library imported once (NOTE [ Jobs from a zygote ] in zygote.py)."""
+    with Zygote("accelerate", "savable_loader.integrations.accelerate") as started:
+        yield started
+
+
+def _check_resume(tmp: Path, ranks: int, kill: str, zygote: Zygote) -> None:
     sizes = {"items": ITEMS, "batch": BATCH, "epochs": EPOCHS, "every": EVERY}
-    check_script_resumes(__file__, tmp, ranks, kill, timeout=TIMEOUT, **sizes)
+    check_script_resumes(__file__, tmp, ranks, kill, timeout=TIMEOUT, zygote=zygote, **sizes)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_single_process_resumes_exactly_mid_epoch(tmp_path_factory: pytest.TempPathFactory) -> None:
-    _check_resume(tmp_path_factory.mktemp("accelerate"), 1, "step:18")
+def test_single_process_resumes_exactly_mid_epoch(
+    tmp_path_factory: pytest.TempPathFactory, zygote: Zygote
+) -> None:
+    _check_resume(tmp_path_factory.mktemp("accelerate"), 1, "step:18", zygote)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_resume_exactly_after_a_checkpoint(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, zygote: Zygote
 ) -> None:
-    _check_resume(tmp_path_factory.mktemp("accelerate"), 2, "after:7")
+    _check_resume(tmp_path_factory.mktemp("accelerate"), 2, "after:7", zygote)
 
 
 @pytest.fixture

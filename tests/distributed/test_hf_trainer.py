@@ -1,10 +1,10 @@
 """Hugging Face's ``Trainer`` resumes a ``SavableTrainer``'s loader exactly from its own
 checkpoint.
 
-Each test runs this file as a training job
-(``python tests/distributed/test_hf_trainer.py ...``, in a
-session of its own; with two ranks it starts one process per rank with torchrun's
-environment variables, DDP over gloo): a tiny ``torch.nn.Module`` that returns a loss
+Each test runs this file as a training job, as ``python
+tests/distributed/test_hf_trainer.py ...`` would, in a session of its own, forked from a
+process that imported the library once (NOTE [ Jobs from a zygote ] in zygote.py); with
+two ranks, one process per rank with torchrun's environment variables, DDP over gloo: a tiny ``torch.nn.Module`` that returns a loss
 dict, trained on the CPU with ``save_steps=4``; an uninterrupted run, then a run that
 SIGKILLs its own process group (every rank and worker) at a chosen step, then
 ``trainer.train(resume_from_checkpoint=True)``. The model writes each training step
@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import warnings
+from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from typing import Any
 
 import pytest
 from trainer_jobs import check_script_resumes
+from zygote import Zygote
 
 pytestmark = pytest.mark.skipif(
     find_spec("transformers") is None or find_spec("accelerate") is None,
@@ -134,23 +136,32 @@ def _job(out: str, kill: str) -> None:
     trainer.train(resume_from_checkpoint=True if resume else None)
 
 
-def _check_resume(tmp: Path, ranks: int, kill: str) -> None:
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    """The jobs' library imported once (NOTE [ Jobs from a zygote ] in zygote.py)."""
+    with Zygote("transformers.trainer", "savable_loader.integrations.hf_trainer") as started:
+        yield started
+
+
+def _check_resume(tmp: Path, ranks: int, kill: str, zygote: Zygote) -> None:
     sizes = {"items": ITEMS, "batch": BATCH, "epochs": EPOCHS, "every": EVERY}
-    check_script_resumes(__file__, tmp, ranks, kill, timeout=TIMEOUT, **sizes)
+    check_script_resumes(__file__, tmp, ranks, kill, timeout=TIMEOUT, zygote=zygote, **sizes)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_trainer_resumes_exactly_mid_epoch(tmp_path_factory: pytest.TempPathFactory) -> None:
-    _check_resume(tmp_path_factory.mktemp("hf_trainer"), 1, "step:18")
+def test_trainer_resumes_exactly_mid_epoch(
+    tmp_path_factory: pytest.TempPathFactory, zygote: Zygote
+) -> None:
+    _check_resume(tmp_path_factory.mktemp("hf_trainer"), 1, "step:18", zygote)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_resume_exactly_after_a_checkpoint(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, zygote: Zygote
 ) -> None:
-    _check_resume(tmp_path_factory.mktemp("hf_trainer"), 2, "after:8")
+    _check_resume(tmp_path_factory.mktemp("hf_trainer"), 2, "after:8", zygote)
 
 
 def test_a_mid_epoch_resume_with_uneven_accumulation_is_refused() -> None:

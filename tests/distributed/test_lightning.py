@@ -1,8 +1,9 @@
 """PyTorch Lightning resumes a ``LightningSavableDataLoader`` exactly from its own checkpoint.
 
-Each test runs this file as a training job
-(``python tests/distributed/test_lightning.py ...``, in a
-session of its own: Lightning's DDP launcher starts rank 1 by running the same command):
+Each test runs this file as a training job, as ``python
+tests/distributed/test_lightning.py ...`` would, in a session of its own, forked from a
+process that imported Lightning once (NOTE [ Jobs from a zygote ] in zygote.py);
+Lightning's DDP launcher starts rank 1 by running the same command:
 an uninterrupted run, then a run that SIGKILLs its own process group, every rank and
 worker, at a chosen step, then ``trainer.fit(ckpt_path="last")``. Every rank writes each
 training step (epoch, global step, item ids, loss) to a file; the killed run's steps
@@ -15,12 +16,14 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import pytest
 from trainer_jobs import Job, Records, records, run_job
+from zygote import Zygote
 
 pytestmark = pytest.mark.skipif(
     find_spec("lightning") is None, reason="the lightning extra is not installed"
@@ -123,25 +126,37 @@ def _command(out: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> list[
     return [sys.executable, __file__, str(out), str(ranks), sampler, ckpt, kill]
 
 
-def _run(out: Path, ranks: int, sampler: str, ckpt: str, kill: str = "none") -> int:
-    return run_job(_command(out, ranks, sampler, ckpt, kill), kill, TIMEOUT)
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    """Lightning imported once for rank 0 of every job (NOTE [ Jobs from a zygote ] in
+    zygote.py); Lightning's launcher starts rank 1 as a new interpreter."""
+    with Zygote("lightning.pytorch", "savable_loader.integrations.lightning") as started:
+        yield started
 
 
-def _killed_and_resumed(out: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> list[Records]:
+def _run(zygote: Zygote, out: Path, ranks: int, sampler: str, ckpt: str, kill: str = "none") -> int:
+    return run_job(_command(out, ranks, sampler, ckpt, kill), kill, TIMEOUT, zygote=zygote)
+
+
+def _killed_and_resumed(
+    zygote: Zygote, out: Path, ranks: int, sampler: str, ckpt: str, kill: str
+) -> list[Records]:
     """Runs the job killed as ``kill`` says, then resumed; returns the killed run's records
     (the resumed run's are in ``out``)."""
-    assert _run(out, ranks, sampler, ckpt, kill) == -signal.SIGKILL
+    assert _run(zygote, out, ranks, sampler, ckpt, kill) == -signal.SIGKILL
     killed = [records(out, rank) for rank in range(ranks)]
     for rank in range(ranks):
         (out / f"rank{rank}.jsonl").rename(out / f"killed{rank}.jsonl")
-    _run(out, ranks, sampler, ckpt)
+    _run(zygote, out, ranks, sampler, ckpt)
     return killed
 
 
 _REFERENCES: dict[tuple[int, str], list[Records]] = {}
 
 
-def _check_resume(tmp: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> None:
+def _check_resume(
+    zygote: Zygote, tmp: Path, ranks: int, sampler: str, ckpt: str, kill: str
+) -> None:
     """The uninterrupted run's records come once per number of ranks and sampler: it saves
     every 4 steps, and serves the per-epoch checkpoint cases too (a save does not change
     the stream; if it did, a resume with other save points would differ). The first test
@@ -151,13 +166,13 @@ def _check_resume(tmp: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> 
     out = tmp / "run"
     out.mkdir()
     if key in _REFERENCES:
-        killed = _killed_and_resumed(out, ranks, sampler, ckpt, kill)
+        killed = _killed_and_resumed(zygote, out, ranks, sampler, ckpt, kill)
     else:
         uninterrupted = tmp / "reference"
         uninterrupted.mkdir()
         command = _command(uninterrupted, ranks, sampler, "steps", "none")
-        with Job(command, "none", TIMEOUT) as job:
-            killed = _killed_and_resumed(out, ranks, sampler, ckpt, kill)
+        with Job(command, "none", TIMEOUT, zygote=zygote) as job:
+            killed = _killed_and_resumed(zygote, out, ranks, sampler, ckpt, kill)
             job.wait()
         _REFERENCES[key] = [records(uninterrupted, rank) for rank in range(ranks)]
     reference = _REFERENCES[key]
@@ -194,9 +209,9 @@ def _check_resume(tmp: Path, ranks: int, sampler: str, ckpt: str, kill: str) -> 
     ids=["mid-epoch", "after-epoch-checkpoint"],
 )
 def test_single_process_resumes_exactly(
-    tmp_path_factory: pytest.TempPathFactory, ckpt: str, kill: str
+    tmp_path_factory: pytest.TempPathFactory, zygote: Zygote, ckpt: str, kill: str
 ) -> None:
-    _check_resume(tmp_path_factory.mktemp("pl"), 1, "lightning", ckpt, kill)
+    _check_resume(zygote, tmp_path_factory.mktemp("pl"), 1, "lightning", ckpt, kill)
 
 
 @pytest.mark.slow
@@ -207,9 +222,9 @@ def test_single_process_resumes_exactly(
     ids=["use_distributed_sampler", "own-DistributedSampler-after-checkpoint"],
 )
 def test_ddp_resumes_exactly(
-    tmp_path_factory: pytest.TempPathFactory, sampler: str, ckpt: str, kill: str
+    tmp_path_factory: pytest.TempPathFactory, zygote: Zygote, sampler: str, ckpt: str, kill: str
 ) -> None:
-    _check_resume(tmp_path_factory.mktemp("pl"), 2, sampler, ckpt, kill)
+    _check_resume(zygote, tmp_path_factory.mktemp("pl"), 2, sampler, ckpt, kill)
 
 
 def _check_warnings() -> None:
@@ -247,11 +262,11 @@ def _check_warnings() -> None:
 
 
 @pytest.mark.timeout(200)
-def test_a_loader_sharded_by_rank_under_a_trainer_of_one_process_warns() -> None:
+def test_a_loader_sharded_by_rank_under_a_trainer_of_one_process_warns(zygote: Zygote) -> None:
     """:func:`_check_warnings`, in a process of its own: Lightning imports torch._dynamo,
     which slows every later loader of the test process (NOTE [ Heavy imports last ] in
     conftest.py)."""
-    assert run_job([sys.executable, __file__, "warnings"], "none", TIMEOUT) == 0
+    assert run_job([sys.executable, __file__, "warnings"], "none", TIMEOUT, zygote=zygote) == 0
 
 
 if __name__ == "__main__":

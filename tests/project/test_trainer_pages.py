@@ -5,9 +5,9 @@ a run crashed mid-epoch (an exception standing for a killed job), resumed from t
 trainer's last checkpoint by a new trainer, and an ``assert`` that every step's item ids,
 augmented values and losses are an uninterrupted run's. The example is a script under
 examples/, shown on its page verbatim (a test here fails when they drift). test_docs.py
-runs each page's example on one process; the tests here run each script as a job
-(tests/support/trainer_jobs.py) on two gloo ranks started with torchrun's environment variables,
-as each page says to (the Lightning page: with its several-ranks ``Trainer`` in place of
+runs each page's example on one process; the tests here run each script as a job on two
+gloo ranks with torchrun's environment variables, forked from a process that imported the
+library once (tests/support/zygote.py), as each page says to (the Lightning page: with its several-ranks ``Trainer`` in place of
 the example's). A job's script checks itself: its ``assert`` fails the job. The same
 integrations killed with SIGKILL and resumed in new processes are test_lightning.py's,
 test_accelerate.py's and test_hf_trainer.py's.
@@ -21,9 +21,9 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-import trainer_jobs
 from test_docs import ROOT, Block, parse
 from trainer_jobs import run_job
+from zygote import Zygote
 
 TIMEOUT = 150  # a hang is still caught; a loaded 2-core CI machine is slow
 
@@ -36,6 +36,14 @@ PAGES = {
         "examples/resume_hf_trainer.py",
         ("transformers", "accelerate"),
     ),
+}
+
+
+#: What each example imports, imported once for both ranks.
+PRELOAD = {
+    "lightning": ("lightning.pytorch", "savable_loader.integrations.lightning"),
+    "accelerate": ("accelerate", "savable_loader.integrations.accelerate"),
+    "hf-trainer": ("transformers.trainer", "savable_loader.integrations.hf_trainer"),
 }
 
 
@@ -100,5 +108,8 @@ def test_the_example_runs_on_two_ranks(
     # The script writes its runs' checkpoints under the working directory, which the
     # job's processes take from this one.
     monkeypatch.chdir(tmp_path)
-    command = [sys.executable, trainer_jobs.__file__, str(path), str(tmp_path), "2", "none"]
-    assert run_job(command, "none", TIMEOUT) == 0
+    # Both ranks forked from a process that imported the library once (NOTE [ Jobs from a
+    # zygote ] in zygote.py), with torchrun's environment variables.
+    command = [sys.executable, str(path), "job", str(tmp_path), "none"]
+    with Zygote(*PRELOAD[name]) as zygote:
+        assert run_job(command, "none", TIMEOUT, zygote=zygote, ranks=2) == 0

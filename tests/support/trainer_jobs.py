@@ -2,7 +2,9 @@
 Accelerate, the Hugging Face Trainer): the runner that can SIGKILL a job's process group,
 the records each rank writes, and the shared check of a killed-and-resumed run.
 
-Run as a script, ``python trainer_jobs.py SCRIPT OUT RANKS KILL`` starts ``SCRIPT job OUT
+The tests fork their jobs from a zygote that imported the trainer's library once (NOTE
+[ Jobs from a zygote ] in zygote.py). Without one, a job is a new interpreter, and run
+as a script, ``python trainer_jobs.py SCRIPT OUT RANKS KILL`` starts ``SCRIPT job OUT
 KILL`` once per rank (:func:`launch_ranks`): a launcher that imports nothing but the
 standard library, so the ranks start at once instead of after a second import of the
 trainer's library.
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from paths import pythonpath
+from zygote import Zygote, ZygoteJob
 
 Records = list[dict[str, Any]]
 
@@ -39,17 +42,33 @@ class Job:
     ``timeout`` seconds from its start is killed and raises ``TimeoutExpired``. Leaving the
     ``with`` block kills a job still running (a failed check does not leave it behind)."""
 
-    def __init__(self, command: list[str], kill: str, timeout: float) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        kill: str,
+        timeout: float,
+        *,
+        zygote: Zygote | None = None,
+        ranks: int = 1,
+    ) -> None:
+        """With a ``zygote``, ``command`` (``[sys.executable, script, ...]``) is forked from
+        it, on ``ranks`` processes (NOTE [ Jobs from a zygote ] in zygote.py)."""
         self.kill = kill
         self.deadline = time.monotonic() + timeout
+        # The job imports this module and the helpers beside it (NOTE [ Test folders ]).
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath()}
+        self.process: subprocess.Popen[str] | ZygoteJob
+        if zygote is not None:
+            self.process = zygote.start(command[1:], ranks=ranks, env=env)
+            return
+        assert ranks == 1, "several ranks: trainer_jobs.py's launcher, or a zygote"
         self.process = subprocess.Popen(
             command,
             start_new_session=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            # The job imports this module and the helpers beside it (NOTE [ Test folders ]).
-            env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath()},
+            env=env,
         )
 
     def wait(self) -> int:
@@ -75,9 +94,11 @@ class Job:
         self.stop()
 
 
-def run_job(command: list[str], kill: str, timeout: float) -> int:
+def run_job(
+    command: list[str], kill: str, timeout: float, *, zygote: Zygote | None = None, ranks: int = 1
+) -> int:
     """Runs ``command`` as a :class:`Job` and waits for it; returns its exit code."""
-    with Job(command, kill, timeout) as job:
+    with Job(command, kill, timeout, zygote=zygote, ranks=ranks) as job:
         return job.wait()
 
 
@@ -182,19 +203,31 @@ _REFERENCES: dict[tuple[str, int], list[Records]] = {}
 
 
 def check_script_resumes(
-    script: str, tmp: Path, ranks: int, kill: str, *, timeout: float, **sizes: int
+    script: str,
+    tmp: Path,
+    ranks: int,
+    kill: str,
+    *,
+    timeout: float,
+    zygote: Zygote | None = None,
+    **sizes: int,
 ) -> None:
     """:func:`check_resume` for a test module run as ``script job OUT KILL`` on each rank
-    (one rank: directly; more: through this module's launcher); the uninterrupted
-    reference runs once per script and number of ranks."""
+    (forked from ``zygote``; without one, one rank directly, more through this module's
+    launcher); the uninterrupted reference runs once per script and number of ranks."""
 
     def command(out: Path, kill: str) -> list[str]:
-        if ranks == 1:
+        if ranks == 1 or zygote is not None:
             return [sys.executable, script, "job", str(out), kill]
         return [sys.executable, __file__, script, str(out), str(ranks), kill]
 
+    def job(out: Path, kill: str) -> Job:
+        shown = ranks if zygote is not None else 1
+        return Job(command(out, kill), kill, timeout, zygote=zygote, ranks=shown)
+
     def run(out: Path, ranks: int, kill: str) -> int:
-        return run_job(command(out, kill), kill, timeout)
+        with job(out, kill) as started:
+            return started.wait()
 
     key = (script, ranks)
     if key in _REFERENCES:
@@ -203,7 +236,7 @@ def check_script_resumes(
     out = tmp / "reference"
     out.mkdir()
     # NOTE [ The reference beside the killed run ]
-    with Job(command(out, "none"), "none", timeout) as reference:
+    with job(out, "none") as reference:
 
         def uninterrupted() -> list[Records]:
             reference.wait()
