@@ -65,36 +65,37 @@ def test_no_workers(batch_size):
     ],
 )
 def test_workers_uneven_shards(num_workers, batch_size):
-    """Worker w's shard is longer than worker w-1's: workers end their epochs apart."""
-    _check(
-        _build(
-            lambda: RandomCounter(11, uneven=True), batch_size=batch_size, num_workers=num_workers
-        ),
-        chain_items=_chains(num_workers),
-    )
-
-
-@slow
-@pytest.mark.parametrize("prefetch_factor", [1, 4])
-def test_prefetch_factor(prefetch_factor):
-    _check(
-        _build(
-            lambda: RandomCounter(23),
-            batch_size=2,
-            num_workers=2,
-            prefetch_factor=prefetch_factor,
+    """Worker w's shard is longer than worker w-1's: workers end their epochs apart. With
+    three workers the batches are pinned (pin_memory: a thread of the main process between
+    the workers and the loader, which a restore starts anew)."""
+    options = {"pin_memory": True} if num_workers == 3 else {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*pin_memory.*no accelerator", category=UserWarning
         )
-    )
+        _check(
+            _build(
+                lambda: RandomCounter(11, uneven=True),
+                batch_size=batch_size,
+                num_workers=num_workers,
+                **options,
+            ),
+            chain_items=_chains(num_workers),
+        )
 
 
 @pytest.mark.parametrize("num_workers", [0, pytest.param(3, marks=slow)])
 def test_drop_last(num_workers):
+    # With workers, each holds one batch in flight (prefetch_factor=1, the least torch
+    # takes; the default is 2, and 4 is test_map_style_dataset's).
+    options = {"prefetch_factor": 1} if num_workers else {}
     report = _check(
         _build(
             lambda: RandomCounter(14, uneven=True),
             batch_size=3,
             num_workers=num_workers,
             drop_last=True,
+            **options,
         ),
         chain_items=_chains(num_workers),
     )
@@ -139,8 +140,17 @@ def test_dataset_with_skip_fast_path():
     [(0, True), (0, False), (2, True), pytest.param(3, False, marks=slow)],
 )
 def test_map_style_dataset(num_workers, shuffle):
+    # Three workers with four batches each in flight (prefetch_factor=4; 1 is
+    # test_drop_last's).
+    options = {"prefetch_factor": 4} if num_workers == 3 else {}
     _check(
-        _build(lambda: Squares(37), batch_size=4, num_workers=num_workers, shuffle=shuffle),
+        _build(
+            lambda: Squares(37),
+            batch_size=4,
+            num_workers=num_workers,
+            shuffle=shuffle,
+            **options,
+        ),
         chain_items=_chains(num_workers),
     )
 
@@ -183,15 +193,6 @@ def test_start_methods(method):
         # test of this file checks them with forked workers.
         interruptions=False,
     )
-
-
-@slow
-def test_pin_memory():
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=".*pin_memory.*no accelerator", category=UserWarning
-        )
-        _check(_build(lambda: RandomCounter(12), batch_size=3, num_workers=2, pin_memory=True))
 
 
 @slow
