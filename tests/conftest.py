@@ -3,7 +3,8 @@ the test files run in, and the S3 fixtures.
 
 NOTE [ Test folders ]
 The test files live in folders that follow the package (``loader/``, ``resume/``,
-``datasets/`` and ``datasets/files/``, ``storage/``, ``state/``, ``rng/``, ``cli/``), plus
+``stages/`` and ``stages/files/`` for ``datasets/``, ``storage/``, ``state/``, ``rng/``,
+``cli/``), plus
 ``processes/`` for what only worker processes show (start methods, faults, hangs),
 ``distributed/`` for real ranks (gloo jobs, DDP, the trainers, torchrun) and ``project/``
 for the documentation, the package's structure and the packaging. A folder holds at most
@@ -15,7 +16,11 @@ processes hands them ``support/`` through ``PYTHONPATH`` (``paths.pythonpath()``
 folders are not packages: pytest imports each test file under its base name (the default
 "prepend" import mode, which the spawned workers and the scripts run by path rely on), so
 no two test files may share a name, and a test file imports another only from its own
-folder; what files of several folders share goes to ``support/``.
+folder; what files of several folders share goes to ``support/``. Since ``tests/`` and each
+test file's folder are on ``sys.path``, a folder's name is importable as a namespace
+package: one named after a library the tests import (``datasets/`` once) shadows that
+library wherever it is not installed, and ``pytest.importorskip`` then fails instead of
+skipping; ``tests/project/test_meta.py`` checks that no folder takes such a name.
 """
 
 from __future__ import annotations
@@ -185,9 +190,9 @@ def _no_leftover_memory_files() -> Iterator[None]:
 _HEAVY_TIERS = {
     "loader/test_checkpoints.py": 2,  # torch.distributed.checkpoint
     "loader/test_loader_surface.py": 2,  # lightning.fabric, in one test
-    "datasets/test_getitems.py": 3,  # Hugging Face datasets, in one test
-    "datasets/test_stateful_adapters.py": 3,
-    "datasets/files/test_table_source.py": 3,
+    "stages/test_getitems.py": 3,  # Hugging Face datasets, in one test
+    "stages/test_stateful_adapters.py": 3,
+    "stages/files/test_table_source.py": 3,
     "project/test_docs.py": 4,
     "distributed/test_hf_trainer.py": 4,
 }
@@ -211,7 +216,7 @@ _LONGEST_MODULES = (
     "loader/test_conformance.py",
     "processes/test_soak.py",
     "distributed/test_accelerate.py",
-    "datasets/test_stateful_adapters.py",
+    "stages/test_stateful_adapters.py",
     "resume/test_elastic.py",
     "processes/test_faults.py",
     "storage/test_storage_faults.py",
@@ -221,7 +226,7 @@ _LONGEST_MODULES = (
     "project/test_docs.py",
     "cli/test_cli.py",
     "distributed/test_ddp_job.py",
-    "datasets/test_limit_repeat.py",
+    "stages/test_limit_repeat.py",
 )
 
 

@@ -20,7 +20,7 @@ runs such collections early. So :class:`WorkerInit` calls ``gc.freeze()`` first,
 Python's documentation advises for forked children: what exists when the worker starts
 moves to the collector's permanent generation (an O(1) move that touches no object),
 and the worker's collections see only what the worker itself creates. Measured in
-``tests/datasets/test_composed.py``'s S3 check with 2 workers per loader, whose main process held
+``tests/stages/test_composed.py``'s S3 check with 2 workers per loader, whose main process held
 1.5 million extra objects: 10.3 s, and 3.9 s with the freeze (3.6 s without the extra
 objects). A worker's ``gc.get_objects()`` therefore lists only the objects it created;
 ``gc.unfreeze()`` in ``worker_init_fn`` undoes it.

@@ -65,3 +65,36 @@ def test_the_ordering_tables_name_test_files_that_exist() -> None:
 
     named = {*conftest._HEAVY_TIERS, *conftest._LONGEST_MODULES}
     assert {name for name in named if not (TESTS / name).is_file()} == set()
+
+
+def _top_level_imports(source: str) -> set[str]:
+    """The top-level names a Python source imports, ``importorskip`` calls included."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.partition(".")[0])
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", "") == "importorskip"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            names.add(str(node.args[0].value).partition(".")[0])
+    return names
+
+
+def test_no_test_folder_shadows_an_imported_library() -> None:
+    """NOTE [ Test folders ] in tests/conftest.py: ``tests/datasets/`` once stood in for
+    Hugging Face ``datasets`` wherever that extra was not installed (``nox -s tests_lowest``),
+    so ``pytest.importorskip("datasets")`` returned the folder and its tests failed."""
+    imported: set[str] = set()
+    for path in TESTS.rglob("*.py"):
+        imported |= _top_level_imports(path.read_text())
+    # A module of support/ always wins over a folder (a namespace package is the last resort
+    # of an import), so a folder may share a name with one (processes/, processes.py).
+    imported -= {path.stem for path in (TESTS / "support").glob("*.py")}
+    folders = {path.name for path in TESTS.rglob("*") if path.is_dir() and path.name[0] not in "._"}
+    assert "datasets" in imported  # the check sees the imports it guards against
+    assert folders & imported == set()

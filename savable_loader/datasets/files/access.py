@@ -14,7 +14,7 @@ call (``info``, ``open``) waits forever for a loop no thread runs. Recent fsspec
 forget the loop in a forked child themselves (``reset_after_fork``, registered with
 ``os.register_at_fork``); older ones, down to the 2024.6 this project supports, do not,
 and a loader whose workers are forked (torch's default) hung reading ``s3://`` once its
-main process had used S3 (``tests/datasets/files/test_token_cache.py`` under ``nox -s
+main process had used S3 (``tests/stages/files/test_token_cache.py`` under ``nox -s
 tests_lowest``). So on those releases the reset is registered here: the child starts a
 loop of its own at its first async call.
 """

@@ -1,5 +1,5 @@
 """Elastic restores of the file sources with ``split="files"`` (NOTE [ Elastic file order ]
-in ``datasets/files/reshard.py``); ``tests/datasets/files/test_split_samples.py`` covers
+in ``datasets/files/reshard.py``); ``tests/stages/files/test_split_samples.py`` covers
 ``split="samples"``.
 
 Each scenario reads a varying number of items from every stream of a saved layout
