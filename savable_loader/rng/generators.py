@@ -448,10 +448,16 @@ _GAUSS = _HAS_GAUSS + ctypes.sizeof(ctypes.c_double)
 
 
 def seed_globals(seed: int) -> None:
-    """Seeds ``random``, ``numpy.random`` and torch's CPU generator from one derived seed."""
+    """Seeds ``random``, ``numpy.random`` and torch's CPU generator from one derived seed.
+
+    Torch's CPU generator only, as ``torch.manual_seed`` leaves it: ``torch.manual_seed``
+    also queues a seeding of every accelerator (CUDA, XPU, MTIA), recording the caller's
+    stack for each (about 4 ms a call on a CPU-only build, twice per worker start), and
+    would leave the main process's CUDA generator seeded by the loader, which torch's
+    ``DataLoader`` never touches."""
     random.seed(seed)
     np.random.seed(np.random.SeedSequence(seed).generate_state(4, dtype=np.uint32))
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
 
 
 def _words_to_bytes(words: tuple[int, ...]) -> bytes:

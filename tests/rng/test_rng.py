@@ -58,3 +58,24 @@ def test_derived_seeds_differ_by_rank_and_worker_and_are_stable():
     assert len(seeds) == 32
     assert rng.derive_seed(0, 1, 2) == rng.derive_seed(0, 1, 2)
     assert rng.derive_seed(0, 1, 2) != rng.derive_seed(1, 1, 2)
+
+
+def test_the_loader_seeds_torchs_cpu_generator_as_manual_seed_does_and_no_accelerator(
+    monkeypatch,
+):
+    """``seed_globals`` leaves the CPU generator where ``torch.manual_seed`` would, and
+    seeds no accelerator: torch's DataLoader never touches the main process's CUDA
+    generator, and ``torch.manual_seed`` queues each accelerator's seeding with a stack
+    trace (milliseconds per worker start)."""
+    from savable_loader import SavableDataLoader
+    from savable_loader.rng.generators import seed_globals
+
+    seed_globals(1234)
+    ours = torch.get_rng_state()
+    torch.manual_seed(1234)
+    assert torch.equal(ours, torch.get_rng_state())
+    calls = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", calls.append)
+    seed_globals(1234)
+    list(SavableDataLoader(torch.arange(6.0), batch_size=2, shuffle=True, seed=3))
+    assert calls == []
