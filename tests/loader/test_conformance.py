@@ -460,7 +460,8 @@ def test_an_iterable_dataset_refuses_sampling_as_torch_does(kwargs: dict[str, An
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bucketing", "shuffle_generator"])
+# shuffle_generator's stream with spawned workers: test_spawned_workers_resume_exactly.
+@pytest.mark.parametrize("name", ["bucketing"])
 def test_spawned_workers_give_torchs_stream(name: str) -> None:
     options = {"num_workers": 2, "multiprocessing_context": "spawn", "persistent_workers": True}
     # Torch's stream with forked workers: torch draws the order and the workers' base seed

@@ -88,11 +88,15 @@ def _errors_per_epoch(loader: Any) -> int:
     ],
     ids=["shuffle", "workers", "persistent", "unbatched", "batch_sampler"],
 )
-def test_a_loop_that_catches_the_error_meets_it_once_a_batch_as_with_torch(options):
-    torch_loader = DataLoader(_Broken(11), **options)
-    torch_errors = _errors_per_epoch(torch_loader)
-    del torch_loader  # its persistent workers stop with it (torch 2.4 needs the collection)
-    gc.collect()
+def test_a_loop_that_catches_the_error_meets_it_once_a_batch_as_with_torch(options, monkeypatch):
+    with monkeypatch.context() as patch:
+        # Torch's persistent workers, after the errors, take two of its status intervals
+        # (5 s each) to stop; the interval only paces torch's waits.
+        patch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.25)
+        torch_loader = DataLoader(_Broken(11), **options)
+        torch_errors = _errors_per_epoch(torch_loader)
+        del torch_loader  # its persistent workers stop with it (torch 2.4 needs the collection)
+        gc.collect()
     with SavableDataLoader(_Broken(11), **options) as loader:
         errors = _errors_per_epoch(loader)
         assert errors == torch_errors == len(loader)

@@ -79,7 +79,11 @@ def proxy(endpoint_url: str) -> Iterator[FaultProxy]:
 
 
 @pytest.mark.parametrize("fault", ["missing", "denied", "slow down", "cut"])
-def test_an_error_reads_as_botocores(s3: Any, proxy: FaultProxy, fault: str) -> None:
+def test_an_error_reads_as_botocores(
+    s3: Any, proxy: FaultProxy, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # botocore's own retries (4, backing off for seconds) only delay the error compared.
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     url = s3.put("blob.bin", b"x" * 5000)
     if fault == "missing":
         url += ".gone"
