@@ -251,9 +251,77 @@ def _longest(name: str) -> int:
     return _LONGEST_MODULES.index(name) if name in _LONGEST_MODULES else len(_LONGEST_MODULES)
 
 
+# NOTE [ Long cases are slow ]
+# Besides the tests marked ``slow`` where they are written, the cases below are slow: each
+# took at least 5 s of a whole run with two test processes on a quiet 2-core machine
+# (2026-11-29). The quick suite (``-m "not slow"``) leaves them out: a developer's quick
+# run, and CI's run against the lowest versions (``nox -s tests_lowest``), whose CUDA
+# build of torch 2.4 makes each start of a worker or an interpreter about three times
+# dearer (the quick suite took 28 min there). Kept quick on purpose, though as long: one
+# S3 loader through each way a worker reads (``test_s3_client.py``'s direct-botocore
+# case, ``test_token_cache.py``'s workers through the cache), which the lowest fsspec and
+# s3fs once broke. Whole CI runs every test. ``tests/project/test_meta.py`` checks that each
+# named case exists.
+_LONG_CASES = frozenset(
+    {
+        "distributed/test_lightning.py::test_single_process_resumes_exactly[mid-epoch]",
+        "loader/test_iterator_state.py::test_it_resumes_exactly[2-False]",
+        "loader/test_map_errors.py::test_a_save_anywhere_resumes_exactly_errors_included[2-collate]",
+        "processes/test_fault_edges.py::test_stopping_workers_leaves_live_tensors_their_shared_memory[file_system]",
+        "processes/test_unstarted_workers.py::test_a_worker_that_never_starts_is_a_worker_error_after_two_restarts",
+        "project/test_docs.py::test_page_runs[docs/how-to/custom-dataset.md]",
+        "project/test_docs.py::test_page_runs[docs/how-to/migrate.md]",
+        "resume/test_cursor_resume.py::test_every_stage_resumes_exactly_at_every_position[composed]",
+        "resume/test_cursor_resume.py::test_every_stage_resumes_exactly_at_every_position[endless-repeat-limited]",
+        "resume/test_cursor_resume.py::test_every_stage_resumes_exactly_at_every_position[map-global-draws]",
+        "resume/test_elastic.py::test_a_resharded_stream_resumes_exactly[indexed-3]",
+        "resume/test_elastic.py::test_a_resharded_stream_resumes_exactly[noisy-2]",
+        "resume/test_global_stream.py::test_seed_each_item_resumes_exactly_with_two_workers",
+        "resume/test_hypothesis_resume.py::test_without_workers",
+        "resume/test_resume.py::test_dataset_with_skip_fast_path",
+        "resume/test_resume.py::test_map_style_dataset[2-True]",
+        "resume/test_resume.py::test_stateful_object[2]",
+        "resume/test_resume.py::test_workers_uneven_shards[2-3]",
+        "resume/test_resume.py::test_workers_uneven_shards[2-None]",
+        "rng/test_small_states.py::test_a_pipeline_that_draws_saves_bytes_and_resumes_exactly[2]",
+        "rng/test_small_states.py::test_a_plain_dataset_resumes_exactly_in_later_epochs[2]",
+        "rng/test_small_states.py::test_a_shuffle_over_a_plain_dataset_resumes_exactly[2]",
+        "rng/test_small_states.py::test_a_shuffle_over_draws_keeps_bytes_once_drawn_and_resumes_exactly[2]",
+        "rng/test_small_states.py::test_draws_after_some_items_resume_exactly_at_every_point[2]",
+        "rng/test_small_states.py::test_draws_in_some_epochs_resume_exactly_at_every_point[2]",
+        "rng/test_small_states.py::test_with_a_generator_the_stream_resumes_exactly[2]",
+        "stages/files/test_counts_file.py::test_a_refused_early_request_of_the_counts_file_is_asked_again[3]",
+        "stages/files/test_file_positions.py::test_resumes_exactly[2]",
+        "stages/files/test_table_source.py::test_resumes_exactly[2]",
+        "stages/files/test_tar_source.py::test_s3_shards_resume_exactly",
+        "stages/test_blend_by_position.py::test_a_blend_read_by_position_resumes_exactly[2]",
+        "stages/test_composed.py::test_composed_pipeline_on_s3_resumes_exactly_and_matches_local[0]",
+        "stages/test_getitems.py::test_a_drawing_getitems_resumes_exactly[2]",
+        "state/test_script_names.py::test_a_changed_function_is_named_with_both_names_and_the_fix",
+        "state/test_script_names.py::test_a_state_saved_by_the_script_restores_where_it_is_imported[import-script]",
+        "state/test_script_names.py::test_a_state_saved_by_the_script_restores_where_it_is_imported[module-import]",
+        "state/test_script_names.py::test_a_state_saved_by_the_script_restores_where_it_is_imported[script-import]",
+        "state/test_script_names.py::test_a_state_saved_by_the_script_restores_where_it_is_imported[script-module]",
+        "storage/test_cache.py::test_workers_resume_exactly_through_the_cache",
+        "storage/test_cache_stream.py::test_a_loader_reading_downloads_as_they_arrive_resumes_exactly",
+        "storage/test_s3_client.py::test_a_stream_read_through_botocore_resumes_exactly[cache]",
+        "storage/test_s3_client.py::test_a_stream_read_through_botocore_resumes_exactly[direct]",
+        "storage/test_s3_client.py::test_sources_read_the_same_stream_through_either_client[cache-botocore]",
+        "storage/test_s3_client.py::test_sources_read_the_same_stream_through_either_client[cache-obstore]",
+        "storage/test_s3_client.py::test_sources_read_the_same_stream_through_either_client[direct-obstore]",
+        "storage/test_storage_faults.py::test_a_state_saved_under_faults_restores_exactly[tokens-0]",
+        "storage/test_storage_faults.py::test_faults_leave_the_stream_unchanged[jsonl-0]",
+    }
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Runs the files whose tests import heavy modules last, by tier (NOTE [ Heavy imports
-    last ]), the longest files first within each tier (NOTE [ Longest files first ])."""
+    """Marks the long cases slow (NOTE [ Long cases are slow ]); runs the files whose tests
+    import heavy modules last, by tier (NOTE [ Heavy imports last ]), the longest files
+    first within each tier (NOTE [ Longest files first ])."""
+    for item in items:
+        if item.nodeid.removeprefix("tests/") in _LONG_CASES:
+            item.add_marker(pytest.mark.slow)  # NOTE [ Long cases are slow ]
     tiers = _heavy_tiers(items)
     items[:] = sorted(items, key=lambda item: (tiers[_name(item)], _longest(_name(item))))
 

@@ -98,3 +98,17 @@ def test_no_test_folder_shadows_an_imported_library() -> None:
     folders = {path.name for path in TESTS.rglob("*") if path.is_dir() and path.name[0] not in "._"}
     assert "datasets" in imported  # the check sees the imports it guards against
     assert folders & imported == set()
+
+
+def test_the_long_cases_name_tests_that_exist() -> None:
+    """NOTE [ Long cases are slow ] in tests/conftest.py: a renamed test would silently
+    join the quick suite again."""
+    import conftest
+
+    missing = []
+    for case in conftest._LONG_CASES:
+        path, _, test = case.partition("::")
+        function = test.partition("[")[0]
+        if not (TESTS / path).is_file() or f"def {function}(" not in (TESTS / path).read_text():
+            missing.append(case)
+    assert missing == []
