@@ -25,7 +25,7 @@ from savable_loader.datasets import RetryPolicy
 from savable_loader.datasets.files.jsonl import JsonLinesSource
 from savable_loader.datasets.files.tar import TarSource
 from savable_loader.storage.cache import evict as cache_evict
-from savable_loader.storage.cache.node import FileCache
+from savable_loader.storage.cache.node import FileCache, signature_of
 
 pytestmark = [S3FS_WARNINGS]
 
@@ -223,16 +223,16 @@ def test_eviction_keeps_the_folder_under_the_limit_and_spares_held_files(
     sizes = [fs.info(url)["size"] for url in urls]
     limit = max(sizes) + 1  # one file
     one, two = FileCache(tmp_path, limit, 0), FileCache(tmp_path, limit, 0)
-    held = one.open(urls[0], fs)
+    held = one.open(urls[0], lambda: fs)
     for url in urls[1:]:
-        with two.open(url, fs) as file:
+        with two.open(url, lambda: fs) as file:
             assert file.read() == fs.cat_file(url)
         assert one.path(urls[0], ".data").exists(), "a held file was evicted"
     assert held.read() == fs.cat_file(urls[0])
     held.close()
     total = sum(path.stat().st_size for path in tmp_path.glob("*.data"))
     assert total <= limit
-    with two.open(urls[1], fs):
+    with two.open(urls[1], lambda: fs):
         pass
     assert not one.path(urls[0], ".data").exists()  # the least recently used went
     assert sum(path.stat().st_size for path in tmp_path.glob("*.data")) <= limit
@@ -247,7 +247,7 @@ def test_a_forked_child_keeps_no_entry_its_parent_held(memory: str, tmp_path: Pa
     fs = fsspec.filesystem("memory")
     url = _urls(memory)[0]
     cache = FileCache(tmp_path, 10**6, 0)
-    file = cache.open(url, fs)
+    file = cache.open(url, lambda: fs)
     context = multiprocessing.get_context("fork")
     ready = context.Event()
     child = context.Process(target=_signal_and_sleep, args=(ready,))
@@ -268,7 +268,7 @@ def test_a_file_over_the_limit_is_streamed_uncached(memory: str, tmp_path: Path)
     fs = fsspec.filesystem("memory")
     url = _urls(memory)[2]
     cache = FileCache(tmp_path, 100, 0)
-    with cache.open(url, fs) as file:
+    with cache.open(url, lambda: fs) as file:
         assert file.read() == fs.cat_file(url)
     assert (cache.stats.misses, cache.stats.bytes_downloaded) == (1, 0)
     assert not list(tmp_path.glob("*.data"))
@@ -289,16 +289,39 @@ class _Breaking:
         raise ConnectionError("connection reset mid-download")
 
 
+def test_a_hit_of_a_listed_file_asks_for_no_filesystem(memory: str, tmp_path: Path) -> None:
+    """A restart on a warm node: the listing's signature matches the entry, so the open
+    builds no filesystem (in a forked worker, an S3 client: tens of ms before its first
+    batch) and asks the store nothing."""
+    fs = fsspec.filesystem("memory")
+    url = _urls(memory)[1]
+    with FileCache(tmp_path, 10**6, 0).open(url, lambda: fs) as file:
+        expected = file.read()
+    asked = []
+
+    def fs_for() -> Any:
+        asked.append(url)
+        return fs
+
+    known = signature_of(fs.info(url))
+    with FileCache(tmp_path, 10**6, 0).open(url, fs_for, known=known) as file:
+        assert file.read() == expected
+    assert asked == []
+    with FileCache(tmp_path, 10**6, 0).open(url, fs_for) as file:  # not listed: asks
+        assert file.read() == expected
+    assert asked == [url]
+
+
 def test_a_failed_download_leaves_no_entry(memory: str, tmp_path: Path) -> None:
     fs = fsspec.filesystem("memory")
     url = _urls(memory)[2]
     cache = FileCache(tmp_path, 10**6, 0)
     with pytest.raises(ConnectionError):
-        cache.open(url, _Breaking(fs))
+        cache.open(url, lambda: _Breaking(fs))
     left = {path.name for path in tmp_path.iterdir()}
     assert not [name for name in left if name.endswith((".data", ".json"))]
     assert not [name for name in left if name.startswith(".tmp-")]
-    with cache.open(url, fs) as file:
+    with cache.open(url, lambda: fs) as file:
         assert file.read() == fs.cat_file(url)
 
 
@@ -313,7 +336,8 @@ class _Stalling(_Breaking):
 
 
 def _stall(directory: Path, url: str) -> None:
-    FileCache(directory, 10**6, 0).open(url, _Stalling(fsspec.filesystem("memory")))
+    stalling = _Stalling(fsspec.filesystem("memory"))
+    FileCache(directory, 10**6, 0).open(url, lambda: stalling)
 
 
 def test_a_download_killed_midway_leaves_no_entry(memory: str, tmp_path: Path) -> None:
@@ -327,7 +351,7 @@ def test_a_download_killed_midway_leaves_no_entry(memory: str, tmp_path: Path) -
     left = {path.name for path in tmp_path.iterdir()}
     assert not [name for name in left if name.endswith((".data", ".json"))]
     cache = FileCache(tmp_path, 10**6, 0)  # the dead process's locks are gone with it
-    with cache.open(url, fs) as file:
+    with cache.open(url, lambda: fs) as file:
         assert file.read() == fs.cat_file(url)
     assert cache.stats.misses == 1
 
@@ -347,7 +371,8 @@ class _Slow(_Breaking):
 
 
 def _read_slowly(directory: Path, url: str, log: Path, out: Path) -> None:
-    with FileCache(directory, 10**6, 0).open(url, _Slow(fsspec.filesystem("memory"), log)) as f:
+    slow = _Slow(fsspec.filesystem("memory"), log)
+    with FileCache(directory, 10**6, 0).open(url, lambda: slow) as f:
         out.write_bytes(f.read())
 
 
@@ -373,13 +398,23 @@ def test_a_failed_download_is_retried_by_the_reader(
     real = source.filesystem(source.urls[0])
     calls: list[str] = []
 
-    def flaky(url: str) -> Any:
-        calls.append(url)
-        return _Breaking(real) if len(calls) == 1 else real
+    class BreaksOnce(_Breaking):
+        """The first download breaks, the others do not."""
 
-    monkeypatch.setattr(source, "filesystem", flaky)
+        def get_file(self, url: str, local: str) -> None:
+            calls.append(url)
+            if len(calls) == 1:
+                super().get_file(url, local)
+            else:
+                self.fs.get_file(url, local)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.fs, name)
+
+    monkeypatch.setattr(source, "filesystem", lambda url: BreaksOnce(real))
     source.retry = RetryPolicy(attempts=3, base_delay=0.0)
     assert len(list(source.cursor(_context()))) == sum(LENGTHS)
+    assert len(calls) > 1  # the first broke, and was retried
     source.retry = RetryPolicy(attempts=1)
     calls.clear()
     for path in tmp_path.glob("*.json"):
@@ -487,7 +522,7 @@ def test_downloads_under_the_limit_scan_the_folder_once_and_the_limit_holds(
     monkeypatch.setattr(cache_evict, "evict_locked", counted)
     cache = FileCache(tmp_path, 10_000, 0)
     for index, url in enumerate(urls):
-        with cache.open(url, fs) as file:
+        with cache.open(url, lambda: fs) as file:
             assert file.read() == bytes(1000)
         assert _data_bytes(tmp_path) <= 10_000
         if index == 9:
@@ -502,15 +537,15 @@ def test_a_damaged_usage_record_is_rebuilt_by_a_scan(tmp_path: Path) -> None:
     cache = FileCache(tmp_path, 10_000, 0)
     for index in range(3):
         fs.pipe_file(f"{root}/f{index}.bin", bytes(1000))
-    with cache.open(f"{root}/f0.bin", fs):
+    with cache.open(f"{root}/f0.bin", lambda: fs):
         pass
     (tmp_path / ".usage").write_text("not a number")
-    with cache.open(f"{root}/f1.bin", fs):
+    with cache.open(f"{root}/f1.bin", lambda: fs):
         pass
     assert int((tmp_path / ".usage").read_text()) == 2000
     (tmp_path / ".usage").write_text("0")  # an understated record is corrected in an hour
     old = time.time() - 7200
     os.utime(tmp_path / ".usage", (old, old))
-    with cache.open(f"{root}/f2.bin", fs):
+    with cache.open(f"{root}/f2.bin", lambda: fs):
         pass
     assert int((tmp_path / ".usage").read_text()) == 3000

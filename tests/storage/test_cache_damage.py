@@ -60,15 +60,15 @@ def test_an_entry_with_a_damaged_sidecar_is_downloaded_again(
     fs = fsspec.filesystem("memory")
     url = f"{remote}/part-0.jsonl"
     first = FileCache(tmp_path, 10**6, 0)
-    with first.open(url, fs) as file:
+    with first.open(url, lambda: fs) as file:
         expected = file.read()
     _only(tmp_path, ".json").write_bytes(sidecar)
     again = FileCache(tmp_path, 10**6, 0)
-    with again.open(url, fs) as file:
+    with again.open(url, lambda: fs) as file:
         assert file.read() == expected
     assert (again.stats.misses, again.stats.bytes_downloaded) == (1, len(expected))
     third = FileCache(tmp_path, 10**6, 0)  # the download repaired the entry
-    with third.open(url, fs) as file:
+    with third.open(url, lambda: fs) as file:
         assert file.read() == expected
     assert (third.stats.hits, third.stats.bytes_downloaded) == (1, 0)
 
@@ -204,7 +204,7 @@ def test_an_eviction_the_folder_refuses_at_a_close_is_a_warning_naming_it(
     for url in urls:
         fs.pipe_file(f"{root}/{url.rsplit('/', 1)[1]}", bytes(1000))
     cache = FileCache(tmp_path, 1500, 0)
-    first, second = (cache.open(url, fs) for url in urls)  # both held: over the limit
+    first, second = (cache.open(url, lambda: fs) for url in urls)  # both held: over the limit
     assert (tmp_path / ".over").exists()
     (tmp_path / ".evict.lock").unlink()
     (tmp_path / ".evict.lock").mkdir()

@@ -190,7 +190,7 @@ def test_prefetched_entries_released_by_a_close_are_evicted(remote: str, tmp_pat
     urls = [f"{remote}/part-{index}.jsonl.gz" for index in range(4)]
     limit = fs.info(urls[0])["size"] + 1  # one file
     cache = FileCache(tmp_path, limit, 2)
-    file = cache.open(urls[0], fs)
+    file = cache.open(urls[0], lambda: fs)
     cache.want(urls[1:3], lambda _: fs, {})
     _wait(lambda: len(cache._pinned) == 2)
     file.close()  # the reader stops early: its file goes, the two pinned stay

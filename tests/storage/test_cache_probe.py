@@ -47,7 +47,7 @@ def _body(size: int, salt: int = 0) -> bytes:
 
 
 def _read(cache: FileCache, url: str, fs: Any, **kwargs: Any) -> bytes:
-    with cache.open(url, fs, **kwargs) as file:
+    with cache.open(url, lambda: fs, **kwargs) as file:
         return file.read()  # type: ignore[no-any-return]
 
 

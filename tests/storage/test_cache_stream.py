@@ -89,7 +89,7 @@ def _gated(tmp_path: Path) -> tuple[bytes, str, Gated, FileCache]:
 
 def test_the_first_bytes_are_read_before_the_download_ends(tmp_path: Path) -> None:
     body, url, gated, cache = _gated(tmp_path)
-    with cache.open(url, gated, stream=True) as file:
+    with cache.open(url, lambda: gated, stream=True) as file:
         assert file.read(1000) == body[:1000]  # only the first range has landed
         assert gated.ranges[0] == (0, FIRST_CHUNK_BYTES)
         assert len(gated.ranges) <= 2  # the second waits at the gate
@@ -105,7 +105,7 @@ def test_the_first_bytes_are_read_before_the_download_ends(tmp_path: Path) -> No
     assert (stats.misses, stats.bytes_downloaded) == (1, SIZE)
     assert stats.wait_seconds >= 0.1  # the reader's wait for the gated ranges
     # A valid entry: the next open reads the local copy.
-    with cache.open(url, gated, stream=True) as file:
+    with cache.open(url, lambda: gated, stream=True) as file:
         assert file.read() == body
     assert cache.stats.hits == 1
     cache.close()
@@ -117,7 +117,7 @@ def test_seeks_and_lines_read_the_download_as_a_local_file(tmp_path: Path) -> No
     gated = Gated(fs)
     gated.gate.set()
     cache = FileCache(tmp_path, 2**30, 0)
-    with cache.open(url, gated, stream=True) as file:
+    with cache.open(url, lambda: gated, stream=True) as file:
         assert file.readline() == b"00000000\n"
         file.seek(9 * 500_000)  # past the first range
         assert file.readline() == b"00500000\n"
@@ -142,7 +142,7 @@ def test_a_failed_or_changed_download_is_an_error_after_the_bytes_before_it(
         gated.extra = b"x"
     gated.gate.set()
     retry = RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.001)
-    with cache.open(url, gated, stream=True, retry=retry) as file:
+    with cache.open(url, lambda: gated, stream=True, retry=retry) as file:
         assert file.read(FIRST_CHUNK_BYTES) == body[:FIRST_CHUNK_BYTES]
         if fault == "error":  # each range is retried by the download, not by the reader
             with pytest.raises(StorageError, match="3 attempts failed") as error:
@@ -156,20 +156,20 @@ def test_a_failed_or_changed_download_is_an_error_after_the_bytes_before_it(
     assert not list(tmp_path.glob("*.data"))
     assert not list(tmp_path.glob(".tmp-*"))
     gated.error, gated.short, gated.extra = None, 0, b""
-    with cache.open(url, gated, stream=True) as file:  # the retry's open
+    with cache.open(url, lambda: gated, stream=True) as file:  # the retry's open
         assert file.read() == body
     cache.close()
 
 
 def test_a_reader_that_stops_early_leaves_the_entry_to_the_download(tmp_path: Path) -> None:
     body, url, gated, cache = _gated(tmp_path)
-    with cache.open(url, gated, stream=True) as file:
+    with cache.open(url, lambda: gated, stream=True) as file:
         assert file.read(10) == body[:10]
     gated.gate.set()
     deadline = time.monotonic() + 10
     while not list(tmp_path.glob("*.json")) and time.monotonic() < deadline:
         time.sleep(0.01)
-    with cache.open(url, gated, stream=True) as file:
+    with cache.open(url, lambda: gated, stream=True) as file:
         assert file.read() == body
     assert (cache.stats.misses, cache.stats.hits) == (1, 1)
     cache.close()
@@ -182,7 +182,7 @@ def test_small_files_and_other_opens_download_whole_first(tmp_path: Path) -> Non
     gated.gate.set()
     cache = FileCache(tmp_path, 2**30, 0)
     for url, stream in ((small, True), (large, False)):
-        with cache.open(url, gated, stream=stream) as file:
+        with cache.open(url, lambda: gated, stream=stream) as file:
             file.read()
             file.fileno()  # the entry's own file: a memory map can read it
     assert (gated.ranges, gated.whole) == ([], [small, large])  # whole, no byte ranges

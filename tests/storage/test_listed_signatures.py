@@ -183,7 +183,7 @@ def test_a_prefetch_with_a_stale_listed_signature_leaves_no_entry_of_it(
     assert proxy.taken() == ["GET"]  # the listed signature taken: no HEAD before it
     assert not is_valid(tmp_path, url, listed)  # its answer was another version: dropped
     reader = FileCache(tmp_path, 2**30, prefetch=0)
-    with reader.open(url, fs) as file:
+    with reader.open(url, lambda: fs) as file:
         assert file.read() == _lines(0, version=1) + b"\n"
     reader.close()
     assert is_valid(tmp_path, url, signature_of(fs.info(url)))

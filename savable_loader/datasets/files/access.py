@@ -156,11 +156,15 @@ class FileAccess:
             return self.filesystem(url).open(url, "rb", compression="infer")  # type: ignore[no-any-return]
         cache = self.file_cache()
         if cache is not None:
-            fs = self.filesystem(url)
             with _cache_folder_errors(cache.directory, url):
                 known = known or self._listed_hit(cache, url)
                 return cache.open(
-                    url, fs, ahead=ahead, known=known, stream=stream, retry=self.retry
+                    url,
+                    lambda: self.filesystem(url),
+                    ahead=ahead,
+                    known=known,
+                    stream=stream,
+                    retry=self.retry,
                 )
         return self.counted_reads().open(self.filesystem(url), url, ahead=ahead)
 

@@ -172,7 +172,7 @@ class FileCache:
     def open(
         self,
         url: str,
-        fs: Any,
+        fs_for: Callable[[], Any],
         *,
         ahead: bool = False,
         known: dict[str, Any] | None = None,
@@ -180,7 +180,9 @@ class FileCache:
         retry: RetryPolicy | None = None,
     ) -> IO[bytes]:
         """``url`` opened from the cache, downloaded first unless a valid entry holds it;
-        decompressed by the URL's extension. Closing the file releases the entry. An
+        decompressed by the URL's extension. Closing the file releases the entry.
+        ``fs_for()`` gives the filesystem of ``url``, asked for only when the store is (a
+        hit of a listed file asks nothing: a forked worker then builds no client). An
         open made ``ahead`` of the reader (a ``TableSource`` fetch thread) is not counted
         in ``wait_seconds``: the reader's wait for it is. ``known``: the file's signature
         from a listing (:func:`signature_of`), used instead of asking ``info()``, which is
@@ -189,26 +191,28 @@ class FileCache:
         download ] in ``storage/cache/download.py``), its ranges retried under ``retry``.
 
         Raises:
-            Exception: What ``fs`` raised (the caller makes it a StorageError, retried).
+            Exception: What the filesystem raised (the caller makes it a StorageError,
+                retried).
         """
         started = time.perf_counter()
+        fs_for = functools.cache(fs_for)  # one filesystem for the whole open, if any
         try:
             with self._mutex:
                 checked = self._checked.pop(url, None)
             first = None  # NOTE [ Probing a download ] in cache_probe.py
             signature = checked or known
             if signature is None:
-                signature, first = self._signature(url, fs)
+                signature, first = self._signature(url, fs_for())
             listed = checked is None and known is not None
             while True:
                 if signature["size"] > self.limit:
                     self._count(misses=1)
                     size = signature["size"]
                     logger.debug("%s: %d bytes, over the cache limit: streamed", url, size)
-                    return fs.open(url, "rb", compression="infer")  # type: ignore[no-any-return]
+                    return fs_for().open(url, "rb", compression="infer")  # type: ignore[no-any-return]
                 try:
                     fd, downloaded, download = self._hold(
-                        url, fs, signature, stream=stream, retry=retry, first=first
+                        url, fs_for, signature, stream=stream, retry=retry, first=first
                     )
                     break
                 except _Changed:
@@ -216,7 +220,7 @@ class FileCache:
                         raise
                     listed = False  # replaced since the listing: ask the store
                     logger.debug("%s: changed since it was listed", url)
-                    signature = signature_of(fs.info(url))
+                    signature = signature_of(fs_for().info(url))
         finally:
             self._count(wait_seconds=0.0 if ahead else time.perf_counter() - started)
         with self._mutex:
@@ -268,7 +272,7 @@ class FileCache:
     def _hold(
         self,
         url: str,
-        fs: Any,
+        fs_for: Callable[[], Any],
         signature: dict[str, Any],
         *,
         prefetch: bool = False,
@@ -290,7 +294,7 @@ class FileCache:
             lock: int | None = self._locks.take(self.path(url, ".download"), fcntl.LOCK_EX)
             try:
                 if not intact(self.directory, url, signature, self._verified):  # downloaded since?
-                    downloaded = True
+                    downloaded, fs = True, fs_for()
                     if stream and signature["size"] >= STREAM_MIN_BYTES:
                         temp = self._flight.add(temp_path(self.directory, url))
                         download = Download(temp, signature["size"])
@@ -454,7 +458,7 @@ class FileCache:
         signature = signature or signature_of(fs.info(url))
         if signature["size"] > self.limit:
             return
-        fd, _, _ = self._hold(url, fs, signature, prefetch=True)
+        fd, _, _ = self._hold(url, lambda: fs, signature, prefetch=True)
         dropped = []
         with self._mutex:
             keep = not self._closed and url in self._wanted and url not in self._pinned
