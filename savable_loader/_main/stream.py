@@ -203,6 +203,7 @@ class Stream:
         if self.num_workers == 0:
             return DataLoader.__iter__(self.loader)
         loader = self.loader
+        _torch_compat.import_tensor_pickling()  # NOTE [ A worker's first tensor ]
         # Torch reads the loader's timeout once, when it builds the iterator.
         loader.timeout = self._poll_seconds()
         try:

@@ -194,3 +194,29 @@ def test_worker_info_is_built_before_worker_init_fn_and_its_dataset_can_be_repla
         multiprocessing_context=context,
     )
     assert list(loader) == ["_Marker"]
+
+
+class _ModulesSinceStart(IterableDataset):
+    """Yields a tensor, then the names of the modules the worker imported since it
+    started (the tensor's pickling on its way to the main process included)."""
+
+    def __iter__(self):
+        import sys
+
+        before = set(sys.modules)
+        yield torch.zeros(2)
+        time.sleep(0.2)  # the first item's pickling, in the queue's thread, is done
+        yield sorted(set(sys.modules) - before)
+
+
+def test_a_workers_first_tensor_imports_nothing_of_torch():
+    """NOTE [ A worker's first tensor ] in ``_channel/torch_compat.py``: torch 2.4's
+    tensor pickling imported SymPy in every forked worker (about 1 s an epoch)."""
+    from savable_loader import SavableDataLoader
+
+    with SavableDataLoader(
+        _ModulesSinceStart(), batch_size=None, num_workers=1, multiprocessing_context="fork"
+    ) as loader:
+        first, imported = list(loader)
+    assert torch.equal(first, torch.zeros(2))
+    assert [name for name in imported if name.split(".")[0] in ("torch", "sympy")] == []
