@@ -201,12 +201,12 @@ _S3_TIER = 1
 
 
 # NOTE [ Longest files first ]
-# The suite runs in three pytest-xdist processes that take whole files in collection
-# order (NOTE [ Three test processes ] in noxfile.py), each process asking for the next
-# file when it is done. A long file taken last keeps one process busy while the others wait: at the
-# end of a run, the trainer tests (two to four tests, 50 to 100 s a file) ran alone. So
-# within each tier above the files that took longest (20 s or more of a 13-minute run)
-# come first, longest first.
+# The suite runs in four pytest-xdist processes that take whole files in collection
+# order (NOTE [ Four test processes ] in noxfile.py), each process asking for the next
+# file when it is done. A long file taken last keeps one process busy while the others
+# wait: at the end of a run, the trainer tests (two to four tests, 50 to 100 s a file)
+# ran alone. So within each tier above the files that took longest (20 s or more of a
+# 13-minute run) come first, longest first.
 _LONGEST_MODULES = (
     "resume/test_resume.py",
     "distributed/test_lightning.py",

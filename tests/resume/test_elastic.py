@@ -599,7 +599,11 @@ def test_a_replay_that_raises_during_the_reshard_is_a_state_error():
         batch_size=BATCH,
         num_workers=1,
         seed=SEED,
-        worker_config=WorkerConfig(checkpoint_share=0.0001),
+        # A budget no wait can fill: the worker's only checkpoint is the one it takes at
+        # start-up, before the item that raises. With 0.0001 a worker slowed for a second
+        # (a loaded machine, torch 2.4's first tensor) earned a checkpoint past that item,
+        # and the replay never reached it (NOTE [ Checkpoint policy ] in _worker/ring.py).
+        worker_config=WorkerConfig(checkpoint_share=1e-12),
     ) as loader:
         stream = iter(loader)
         for _ in range(6):
