@@ -9,6 +9,7 @@ so each test states what an open costs.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from sample_files import write_tar
 
 from savable_loader import SavableDataLoader, WorkerContext
 from savable_loader.datasets import JsonLinesSource, TarSource, TokenSource
+from savable_loader.datasets.files import access
 from savable_loader.storage.cache.entries import is_valid
 from savable_loader.storage.cache.node import FileCache, signature_of
 from savable_loader.storage.cache.probe import probe
@@ -190,8 +192,12 @@ def test_a_prefetch_with_a_stale_listed_signature_leaves_no_entry_of_it(
 
 
 def test_workers_open_cached_shards_and_token_files_without_a_request(
-    s3: S3, proxy: RecordingProxy, tmp_path: Path
+    s3: S3, proxy: RecordingProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A restart on a warm node: the workers read every file from the cache without a
+    request, and without building a filesystem (an S3 client, tens of ms of CPU before a
+    worker's first batch): which listed signatures the cache may take was decided in the
+    main process, with the filesystem that listed them."""
     write_tar(tmp_path)
     for path in sorted(tmp_path.glob("*.tar")):
         s3.put(f"tar/{path.name}", path.read_bytes())
@@ -220,9 +226,20 @@ def test_workers_open_cached_shards_and_token_files_without_a_request(
                 for b in loader
             ]
 
+    built = tmp_path / "built"  # the processes that built a filesystem, one line each
+    real_url_to_fs = access.url_to_fs
+
+    def recording(url: str, **options: Any) -> Any:
+        with open(built, "a") as out:
+            out.write(f"{os.getpid()}\n")
+        return real_url_to_fs(url, **options)
+
+    monkeypatch.setattr(access, "url_to_fs", recording)  # forked into the workers
     for build in (tar, token):
         expected = read(build())  # downloads into the cache (and counts the tar samples)
         source = build()
         proxy.taken()
+        built.write_text("")
         assert read(source) == expected
         assert proxy.taken() == [], build.__name__  # every open a hit, asked nothing
+        assert set(built.read_text().split()) <= {str(os.getpid())}, build.__name__

@@ -25,6 +25,13 @@ as the loader would), and a source built with ``counts=url`` takes them from it:
   bytes are kept for the first read of the counts; if it failed, that read requests the
   file again, retried like any other read, so an error of the early request costs one
   request, nothing more.
+* With ``cache_dir``, a remote counts file is read through the node's cache as the shards
+  are, so a job restarted on the same node asks the store nothing for it: when the cache
+  holds a copy, no early request is sent, and once the globs are listed the copy is read
+  if the listing (of the counts file's folder: s3fs keeps it, so a counts file beside the
+  shards costs no request) gives it the signature the copy was downloaded with; a counts
+  file changed since is downloaded again, in place of the copy. Without a copy, the early
+  request downloads it into the cache.
 * A counts file that is missing, unreadable or malformed, or was written by another type of
   source, is an error naming it, never a silent count.
 """
@@ -131,10 +138,16 @@ def write_counts(
     write_bytes(url, (content.model_dump_json(indent=1) + "\n").encode(), **options)
 
 
-def fetch_counts(url: str, source: str, filesystem: Callable[[str], Any]) -> bytes:
+def fetch_counts(
+    url: str,
+    source: str,
+    filesystem: Callable[[str], Any],
+    read: Callable[[], bytes] | None = None,
+) -> bytes:
     """The bytes of the counts file at ``url``: one request on an object store (a byte
     range from 0; a plain ``cat_file`` asks the size first on S3), ``filesystem(url)``
-    being the source's filesystem for it.
+    being the source's filesystem for it; ``read``, where given, reads a remote file
+    instead (through the node's cache: NOTE [ Counts files ]).
 
     Raises:
         StorageError: The file does not exist (the message says how to write it).
@@ -144,7 +157,7 @@ def fetch_counts(url: str, source: str, filesystem: Callable[[str], Any]) -> byt
         if local_url(url):
             return read_bytes(url)
         try:
-            data: bytes = filesystem(url).cat_file(url, start=0)
+            data: bytes = read() if read is not None else filesystem(url).cat_file(url, start=0)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise

@@ -65,9 +65,12 @@ def expand_urls(
     storage_options: dict[str, Any],
     stage: str,
     listed: dict[str, dict[str, Any]] | None = None,
+    beside: Sequence[str] = (),
 ) -> tuple[str, ...]:
     """Returns the sorted files that ``urls`` name (NOTE [ Listing files ]); with
-    ``listed``, puts there what the listing of a glob said of each file it matched.
+    ``listed``, puts there what the listing of a glob said of each file it matched, and
+    of each URL of ``beside`` that lies in a listed folder (a counts file beside the
+    shards) where the filesystem kept that folder's listing: no request more.
 
     Raises:
         ConfigError: ``urls`` is empty or a glob in it matches nothing.
@@ -95,10 +98,29 @@ def expand_urls(
             matches = list(files)
             if listed is not None:
                 listed.update(files)
+                for other in beside:
+                    info = _kept_info(fs, other)
+                    if info is not None:
+                        listed[other] = info
         if not matches:
             raise ConfigError(f"{stage}: {url!r} matches no file")
         found.update(matches)
     return tuple(sorted(found))
+
+
+def _kept_info(fs: Any, url: str) -> dict[str, Any] | None:
+    """What ``fs``'s kept listing of ``url``'s folder says of it (fsspec's listings cache,
+    which s3fs fills as it lists), never asking the store; None where it keeps none."""
+    kept = getattr(fs, "_ls_from_cache", None)
+    if kept is None:
+        return None
+    path = fs._strip_protocol(url)
+    try:
+        entries = kept(path)
+    except FileNotFoundError:
+        return None  # the folder was listed without it
+    found = [entry for entry in entries or () if entry.get("name") == path]
+    return found[0] if found and found[0].get("type") != "directory" else None
 
 
 def _unstrip(fs: Any, path: str) -> str:

@@ -42,6 +42,7 @@ import itertools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import IO, Any, ClassVar, Literal, TypeVar
 
 import numpy as np
@@ -49,6 +50,7 @@ import numpy as np
 from ...config import WorkerContext
 from ...errors import ConfigError, StateError
 from ...rng import Purpose, seed_for
+from ...storage.cache.entries import cacheable, entry_path
 from ...storage.cache.node import signature_of
 from ...storage.filesystems import start_client
 from ...storage.retry import RetryPolicy
@@ -177,13 +179,16 @@ class ShardedSource(FileAccess, Stage[T]):
             early = None
             if self.counts is not None and not local_url(self.counts):
                 start_client(self.filesystem(self.counts))  # the listing's too, mostly
-                early = pool.submit(fetch_counts, self.counts, name, self.filesystem)
-            self.urls = expand_urls(urls, self.storage_options, name, listed)
+                if not self._counts_held():  # else the listing vouches for the copy
+                    early = pool.submit(self._fetch_counts)
+            held = self.counts is not None and early is None and self._counts_held()
+            beside = (self.counts,) if held and self.counts is not None else ()
+            self.urls = expand_urls(urls, self.storage_options, name, listed, beside)
             if early is not None:
                 self._early_counts = None if early.exception() else early.result()
         if counts is not None or cache_dir is not None:  # what they are spent on:
             # the counts file's signatures, NOTE [ Listed signatures ] in files.py
-            self.listed = {url: signature_of(info) for url, info in listed.items()}
+            self.keep_listing({url: signature_of(info) for url, info in listed.items()})
         self.shuffle_shards = shuffle_shards
         self.seed = seed
         #: ``split="global"``: read by position (NOTE [ File sources by position ] in
@@ -232,13 +237,34 @@ class ShardedSource(FileAccess, Stage[T]):
                 url, name = self.counts, type(self).__name__
                 raw, self._early_counts = self._early_counts, None
                 if raw is None:
-                    raw = self.read_retrying(url, lambda: fetch_counts(url, name, self.filesystem))
+                    raw = self.read_retrying(url, self._fetch_counts)
                 recorded = read_counts(raw, url, name)
             self._counts = self._count(recorded, dict(self.listed))
             logger.debug(
                 "%s: %d samples in %d files", self.describe(), sum(self._counts), len(self._counts)
             )
         return self._counts
+
+    def _counts_held(self) -> bool:
+        """Whether the node's cache holds a copy of the remote counts file (NOTE
+        [ Counts files ] in ``datasets/files/counts_file.py``)."""
+        assert self.counts is not None
+        if self.cache_dir is None or not cacheable(self.counts):
+            return False
+        return entry_path(Path(self.cache_dir), self.counts, ".json").exists()
+
+    def _fetch_counts(self) -> bytes:
+        """The counts file's bytes; through the node's cache when there is one, with the
+        signature the listing gave it where s3fs keeps that listing (NOTE [ Counts files ]
+        in ``datasets/files/counts_file.py``)."""
+        url, name = self.counts, type(self).__name__
+        assert url is not None
+        if self.cache_dir is None or not cacheable(url):
+            return fetch_counts(url, name, self.filesystem)
+
+        # A copy the listing vouches for is read without a request (NOTE [ Listed
+        # signatures ] in datasets/files/file_list.py); any other is downloaded anew.
+        return fetch_counts(url, name, self.filesystem, lambda: self.read_whole(url))
 
     def write_counts(self, url: str | os.PathLike[str]) -> None:
         """Counts the samples of every file, as a loader would, and writes them to a counts

@@ -145,8 +145,10 @@ class TokenSource(FileAccess, IndexedDataset[np.ndarray]):
             cache_limit=cache_limit,
             prefetch=prefetch,
         )
-        listed = self.listed if cache_dir is not None else {}  # only a cache spends them
+        listed: dict[str, dict[str, Any]] = {}
         files = _expand([urls] if isinstance(urls, str) else list(urls), self.locate, listed)
+        if cache_dir is not None:  # only a cache spends them
+            self.keep_listing(listed)
         layout = [_layout(url, token, self.locate) for url in files]
         self.dtype = str(dtype)
         self.windows = _Windows(files, layout, seq_len, token, self)

@@ -447,18 +447,23 @@ class FileCache:
                 return
             url, fs_for, signature = job
             try:
-                self._fetch(url, fs_for(url), signature)
+                # The filesystem is built only if the store is asked: a file already held
+                # under its listed signature costs none (NOTE [ Listed signatures ] in
+                # ``datasets/files/file_list.py``).
+                self._fetch(url, functools.cache(functools.partial(fs_for, url)), signature)
             except Exception as exc:  # the reader's own open retries and raises
                 logger.debug("prefetching %s failed: %r", url, exc)
                 with self._mutex:
                     self._wanted.discard(url)
 
-    def _fetch(self, url: str, fs: Any, signature: dict[str, Any] | None) -> None:
+    def _fetch(
+        self, url: str, fs_for: Callable[[], Any], signature: dict[str, Any] | None
+    ) -> None:
         # Not probed: no reader waits for this round trip (NOTE [ Probing a download ]).
-        signature = signature or signature_of(fs.info(url))
+        signature = signature or signature_of(fs_for().info(url))
         if signature["size"] > self.limit:
             return
-        fd, _, _ = self._hold(url, lambda: fs, signature, prefetch=True)
+        fd, _, _ = self._hold(url, fs_for, signature, prefetch=True)
         dropped = []
         with self._mutex:
             keep = not self._closed and url in self._wanted and url not in self._pinned

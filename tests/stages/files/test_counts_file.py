@@ -258,6 +258,45 @@ def test_on_s3_the_counts_come_from_one_request(
     assert counted == [s3.url("tar/shard-01.tar")]
 
 
+@S3FS_WARNINGS
+def test_with_a_cache_a_restart_asks_only_for_the_listing(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, counted: list[str]
+) -> None:
+    """A job restarted on the same node (NOTE [ Counts files ]): the counts file beside the
+    shards was downloaded into the cache with them, so building the source and taking its
+    counts send one request, the listing, whose signature vouches for the cached copy; a
+    counts file written again since is downloaded again, never read stale."""
+    local = tmp_path / "local"
+    local.mkdir()
+    write_tar(local)
+    for path in sorted(local.glob("*.tar")):
+        s3.put(f"tar/{path.name}", path.read_bytes())
+    options = {**s3.options(), "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION}}
+    pattern, counts = s3.url("tar/*.tar"), s3.url("tar/counts.json")
+    TarSource(pattern, storage_options=options).write_counts(counts)
+    counted.clear()
+
+    def build() -> tuple[TarSource, int]:
+        before = proxy.stats.requests
+        source = TarSource(pattern, storage_options=options, counts=counts, cache_dir=cache)
+        source.sample_counts()
+        return source, proxy.stats.requests - before
+
+    cache = tmp_path / "cache"
+    first, requests = build()  # an empty cache: the listing and the counts file's download
+    assert (first.sample_counts(), requests) == (tuple(LENGTHS), 2)
+    again, requests = build()  # the same node again: the listing alone
+    assert (again.sample_counts(), requests) == (tuple(LENGTHS), 1)
+    # Written again for a replaced shard: the copy's signature is no longer the listing's.
+    s3.put("tar/shard-01.tar", (local / "shard-03.tar").read_bytes())
+    TarSource(pattern, storage_options=s3.options()).write_counts(counts)
+    counted.clear()
+    changed, requests = build()  # the listing, then the cache's download of a changed file
+    assert (changed.sample_counts(), requests) == ((LENGTHS[0], LENGTHS[3], *LENGTHS[2:]), 3)
+    assert counted == []  # from the new counts file, not counted
+    assert build()[1] == 1
+
+
 class _RefusingCounts(FaultProxy):
     """Answers the first ``refusals`` GETs of a counts file ``503 SlowDown``."""
 
