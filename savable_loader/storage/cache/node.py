@@ -456,9 +456,7 @@ class FileCache:
                 with self._mutex:
                     self._wanted.discard(url)
 
-    def _fetch(
-        self, url: str, fs_for: Callable[[], Any], signature: dict[str, Any] | None
-    ) -> None:
+    def _fetch(self, url: str, fs_for: Callable[[], Any], signature: dict[str, Any] | None) -> None:
         # Not probed: no reader waits for this round trip (NOTE [ Probing a download ]).
         signature = signature or signature_of(fs_for().info(url))
         if signature["size"] > self.limit:
