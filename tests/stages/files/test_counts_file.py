@@ -222,18 +222,25 @@ def proxy(endpoint_url: str) -> Iterator[FaultProxy]:
         yield running
 
 
-@S3FS_WARNINGS
-def test_on_s3_the_counts_come_from_one_request(
-    s3: S3, proxy: FaultProxy, tmp_path: Path, counted: list[str]
-) -> None:
+def _shards_and_counts(s3: S3, proxy: FaultProxy, tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """Tar shards under ``tar/`` and their counts file ``tar/counts.json`` on S3; returns
+    their local folder and storage options that reach S3 through ``proxy``."""
     local = tmp_path / "local"
     local.mkdir()
     write_tar(local)
     for path in sorted(local.glob("*.tar")):
         s3.put(f"tar/{path.name}", path.read_bytes())
     options = {**s3.options(), "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION}}
+    TarSource(s3.url("tar/*.tar"), storage_options=options).write_counts(s3.url("tar/counts.json"))
+    return local, options
+
+
+@S3FS_WARNINGS
+def test_on_s3_the_counts_come_from_one_request(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, counted: list[str]
+) -> None:
+    local, options = _shards_and_counts(s3, proxy, tmp_path)
     pattern = s3.url("tar/*.tar")
-    TarSource(pattern, storage_options=options).write_counts(s3.url("tar/counts.json"))
     assert len(counted) == len(LENGTHS)
     counted.clear()
     before = proxy.stats.requests
@@ -266,14 +273,8 @@ def test_with_a_cache_a_restart_asks_only_for_the_listing(
     shards was downloaded into the cache with them, so building the source and taking its
     counts send one request, the listing, whose signature vouches for the cached copy; a
     counts file written again since is downloaded again, never read stale."""
-    local = tmp_path / "local"
-    local.mkdir()
-    write_tar(local)
-    for path in sorted(local.glob("*.tar")):
-        s3.put(f"tar/{path.name}", path.read_bytes())
-    options = {**s3.options(), "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION}}
+    local, options = _shards_and_counts(s3, proxy, tmp_path)
     pattern, counts = s3.url("tar/*.tar"), s3.url("tar/counts.json")
-    TarSource(pattern, storage_options=options).write_counts(counts)
     counted.clear()
 
     def build() -> tuple[TarSource, int]:
