@@ -187,7 +187,7 @@ class ShardedSource(FileAccess, Stage[T]):
             if early is not None:
                 self._early_counts = None if early.exception() else early.result()
         if counts is not None or cache_dir is not None:  # what they are spent on:
-            # the counts file's signatures, NOTE [ Listed signatures ] in files.py
+            # the counts file's signatures, NOTE [ Listed signatures ] in file_list.py
             self.keep_listing({url: signature_of(info) for url, info in listed.items()})
         self.shuffle_shards = shuffle_shards
         self.seed = seed
@@ -262,8 +262,9 @@ class ShardedSource(FileAccess, Stage[T]):
         if self.cache_dir is None or not cacheable(url):
             return fetch_counts(url, name, self.filesystem)
 
-        # A copy the listing vouches for is read without a request (NOTE [ Listed
-        # signatures ] in datasets/files/file_list.py); any other is downloaded anew.
+        # A copy the listing vouches for is read without a request
+        # (NOTE [ Listed signatures ] in datasets/files/file_list.py); any other is
+        # downloaded anew.
         return fetch_counts(url, name, self.filesystem, lambda: self.read_whole(url))
 
     def write_counts(self, url: str | os.PathLike[str]) -> None:
