@@ -216,6 +216,7 @@ class WorkerInit:
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn
+        object_store.installed()  # asked here, in the main process: the workers inherit it
 
     def __call__(self, worker_id: int) -> None:
         gc.freeze()  # NOTE [ Inherited objects are frozen ]

@@ -43,6 +43,7 @@ keeps botocore's client.
 from __future__ import annotations
 
 import errno
+import functools
 import importlib.util
 import os
 import re
@@ -73,11 +74,19 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+@functools.cache
+def installed() -> bool:
+    """Whether ``obstore`` can be imported. Asked once per process; the loader asks in the
+    main process before its workers start, which inherit the answer (a search of
+    ``sys.path`` cost each worker about a millisecond before its first batch)."""
+    return importlib.util.find_spec("obstore") is not None
+
+
 def allow_in_worker() -> None:
     """Lets this process, a loader's worker, send its GETs through ``obstore`` unless it
     inherited ``obstore`` from its parent (NOTE [ A client outside the GIL ])."""
     global _WORKER
-    if "obstore" not in sys.modules and importlib.util.find_spec("obstore") is not None:
+    if "obstore" not in sys.modules and installed():
         _WORKER = os.getpid()
 
 

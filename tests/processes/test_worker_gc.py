@@ -1,9 +1,12 @@
-"""A worker's garbage collector skips what the worker inherited (NOTE [ Inherited objects
-are frozen ] in ``savable_loader/_worker/wrapper.py``)."""
+"""What a worker inherits at its start: its garbage collector skips the inherited objects
+(NOTE [ Inherited objects are frozen ] in ``savable_loader/_worker/wrapper.py``), and it
+does not search ``sys.path`` again for what the main process already looked for."""
 
 from __future__ import annotations
 
 import gc
+import importlib.util
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +14,7 @@ import pytest
 
 from savable_loader import SavableDataLoader
 from savable_loader.datasets import IndexedDataset
+from savable_loader.storage import object_store
 
 INHERITED = 100_000
 
@@ -54,3 +58,27 @@ def test_a_worker_still_collects_the_cycles_it_makes() -> None:
 @pytest.mark.slow
 def test_worker_init_fn_can_undo_the_freeze() -> None:
     assert _items(_freeze_count, worker_init_fn=_unfreeze) == [0, 0, 0, 0]
+
+
+def test_workers_inherit_whether_obstore_is_installed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main process looks for ``obstore`` once; a worker, forked after, does not
+    search ``sys.path`` for it again before its first batch (about a millisecond each)."""
+    searched = tmp_path / "searched"
+    real_find_spec = importlib.util.find_spec
+
+    def recording(name: str, *args: Any) -> Any:
+        if name == "obstore":
+            with open(searched, "a") as out:
+                out.write(f"{os.getpid()}\n")
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", recording)
+    object_store.installed.cache_clear()
+    try:
+        with SavableDataLoader(list(range(8)), batch_size=2, num_workers=2) as loader:
+            assert len(list(loader)) == 4
+    finally:
+        object_store.installed.cache_clear()
+    assert searched.read_text().split() == [str(os.getpid())]
