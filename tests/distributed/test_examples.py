@@ -1,13 +1,17 @@
 """The examples under torchrun: a crashed and resumed run trains on the same batches.
 
 examples/train_torchrun.py (a savable dataset) and examples/train_ddp_sampler.py (a
-map-style dataset with ``DistributedSampler``). Each run is a real ``python -m torch.distributed.run --standalone --nproc-per-node 2`` job
-(two gloo ranks, two loader workers each) in a subprocess with a deadline.
+map-style dataset with ``DistributedSampler``). The crashed run and its resumption are
+real ``python -m torch.distributed.run --standalone --nproc-per-node 2`` jobs (two gloo
+ranks, two loader workers each) in a subprocess with a deadline. The uninterrupted
+reference run, which only gives the batches to compare with, is the same script on two
+ranks forked from a zygote with torchrun's variables (NOTE [ Jobs from a zygote ] in
+``tests/support/zygote.py``): three interpreters fewer a test (torchrun's agent and two
+ranks, each importing torch: about 8 s of CPU).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -18,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from paths import ROOT
+from trainer_jobs import Job
+from zygote import Zygote
 
 EXAMPLES = ROOT / "examples"
 SCRIPT = EXAMPLES / "train_torchrun.py"
@@ -71,21 +77,26 @@ def _torchrun(
     return _finish(_start(ckpt, *extra, script=script, steps=steps))
 
 
-@contextlib.contextmanager
-def _beside(process: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
-    """The uninterrupted reference run goes beside the crashed run and its resumption: the
-    jobs are independent, and each spends much of its time importing torch on one core.
-    A run still going when the block fails is ended, as a timeout ends it."""
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.communicate(timeout=30.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    with Zygote("torch", "torch.distributed", "savable_loader") as started:
+        yield started
+
+
+def _reference(
+    zygote: Zygote, ckpt: Path, *extra: str, script: Path = SCRIPT, steps: bool = True
+) -> Job:
+    """The uninterrupted run, on two ranks forked from ``zygote``; it goes beside the
+    crashed run and its resumption (the jobs are independent). Leaving the ``with`` block
+    kills it if it still runs."""
+    command = [
+        sys.executable,
+        str(script),
+        f"--ckpt={ckpt}",
+        *([f"--steps={STEPS}", f"--save-every={SAVE_EVERY}"] if steps else []),
+        *extra,
+    ]
+    return Job(command, "none", RUN_TIMEOUT, zygote=zygote, ranks=RANKS)
 
 
 def _log(ckpt: Path, rank: int) -> list[tuple[int, str]]:
@@ -122,11 +133,13 @@ def _assert_resumed(
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_torchrun_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Path) -> None:
+def test_torchrun_example_resumes_after_a_crash_on_the_same_batches(
+    tmp_path: Path, zygote: Zygote
+) -> None:
     assert STOP_AT % SAVE_EVERY != 0
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
 
-    with _beside(_start(reference)) as uninterrupted:
+    with _reference(zygote, reference) as uninterrupted:
         run = _torchrun(crashed, f"--stop-at={STOP_AT}")
         assert run.returncode != 0, "the run with --stop-at should end as a crash does"
         assert "exitcode  : 17" in run.stderr
@@ -139,8 +152,7 @@ def test_torchrun_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Pa
             assert [step for step, _ in log] == list(range(1, len(log) + 1))
         run = _torchrun(crashed)
         assert run.returncode == 0, run.stderr[-3000:]
-        run = _finish(uninterrupted)
-        assert run.returncode == 0, run.stderr[-3000:]
+        assert uninterrupted.wait() == 0
 
     _assert_resumed(
         reference, crashed, before, steps=STEPS, last_save=STOP_AT - STOP_AT % SAVE_EVERY
@@ -162,12 +174,14 @@ SAMPLER_STOP_AT = 10  # the last save was at step 8, in epoch 1
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_sampler_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Path) -> None:
+def test_sampler_example_resumes_after_a_crash_on_the_same_batches(
+    tmp_path: Path, zygote: Zygote
+) -> None:
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
     options = (f"--save-every={SAMPLER_SAVE_EVERY}", "--epochs=3")
 
-    first = _start(reference, *options, script=SAMPLER_SCRIPT, steps=False)
-    with _beside(first) as uninterrupted:
+    first = _reference(zygote, reference, *options, script=SAMPLER_SCRIPT, steps=False)
+    with first as uninterrupted:
         stop = f"--stop-at={SAMPLER_STOP_AT}"
         run = _torchrun(crashed, *options, stop, script=SAMPLER_SCRIPT, steps=False)
         assert run.returncode != 0, "the run with --stop-at should end as a crash does"
@@ -175,8 +189,7 @@ def test_sampler_example_resumes_after_a_crash_on_the_same_batches(tmp_path: Pat
         before = [_log(crashed, rank) for rank in range(RANKS)]
         run = _torchrun(crashed, *options, script=SAMPLER_SCRIPT, steps=False)
         assert run.returncode == 0, run.stderr[-3000:]
-        run = _finish(uninterrupted)
-        assert run.returncode == 0, run.stderr[-3000:]
+        assert uninterrupted.wait() == 0
 
     for log in before:
         assert SAMPLER_STOP_AT - 1 <= len(log) <= SAMPLER_STOP_AT
