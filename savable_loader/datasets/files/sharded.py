@@ -177,12 +177,13 @@ class ShardedSource(FileAccess, Stage[T]):
         self._early_counts: bytes | None = None
         with ThreadPoolExecutor(1, thread_name_prefix="counts-file") as pool:
             early = None
+            beside: tuple[str, ...] = ()
             if self.counts is not None and not local_url(self.counts):
                 start_client(self.filesystem(self.counts))  # the listing's too, mostly
-                if not self._counts_held():  # else the listing vouches for the copy
+                if self._counts_held():  # the listing vouches for the cached copy
+                    beside = (self.counts,)
+                else:
                     early = pool.submit(self._fetch_counts)
-            held = self.counts is not None and early is None and self._counts_held()
-            beside = (self.counts,) if held and self.counts is not None else ()
             self.urls = expand_urls(urls, self.storage_options, name, listed, beside)
             if early is not None:
                 self._early_counts = None if early.exception() else early.result()
@@ -257,15 +258,14 @@ class ShardedSource(FileAccess, Stage[T]):
         """The counts file's bytes; through the node's cache when there is one, with the
         signature the listing gave it where s3fs keeps that listing (NOTE [ Counts files ]
         in ``datasets/files/counts_file.py``)."""
-        url, name = self.counts, type(self).__name__
+        url = self.counts
         assert url is not None
-        if self.cache_dir is None or not cacheable(url):
-            return fetch_counts(url, name, self.filesystem)
-
         # A copy the listing vouches for is read without a request
         # (NOTE [ Listed signatures ] in datasets/files/file_list.py); any other is
         # downloaded anew.
-        return fetch_counts(url, name, self.filesystem, lambda: self.read_whole(url))
+        cached = self.cache_dir is not None and cacheable(url)
+        read = (lambda: self.read_whole(url)) if cached else None
+        return fetch_counts(url, type(self).__name__, self.filesystem, read)
 
     def write_counts(self, url: str | os.PathLike[str]) -> None:
         """Counts the samples of every file, as a loader would, and writes them to a counts
